@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Run the hybrid prefix-cache suite on this machine, provisioning first.
+#
+#   dev/suite.sh cpu-tier   the main job: the CPU-tier suite, printing every
+#                           case's turn table (pytest -v -s)
+#   dev/suite.sh all        ruff (check and format --check, vLLM's settings)
+#                           on our files, then every test of this project
+#
+# Extra arguments go to pytest. Our tests/ and .buildkite/ files are laid
+# over the vLLM checkout before every run, and pytest runs from the checkout,
+# so `tests.utils` and `tests.models.utils` are vLLM's own.
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+MAIN_TESTS=(tests/models/hybrid_prefix_cache/test_cpu_tier.py)
+ALL_TESTS=(tests/models/hybrid_prefix_cache)
+
+die() {
+    echo "suite: error: $*" >&2
+    exit 1
+}
+
+job=${1:-}
+case "$job" in
+    cpu-tier | all) shift ;;
+    *) die "usage: dev/suite.sh cpu-tier|all [pytest args...]" ;;
+esac
+
+env_lines=$("$REPO/dev/provision.sh") || exit
+VENV=$(sed -n 's/^VENV=//p' <<<"$env_lines")
+CHECKOUT=$(sed -n 's/^CHECKOUT=//p' <<<"$env_lines")
+
+# Lay our files over the checkout. Files a previous overlay added and we no
+# longer have are removed again, or restored from the sdist if they are
+# upstream's, so the checkout always equals upstream plus this repository.
+overlay() {
+    local manifest="$CHECKOUT/.hybrid-pc-overlay" tarball
+    tarball="$(dirname "$CHECKOUT")/$(basename "$CHECKOUT").tar.gz"
+    local -a ours=()
+    mapfile -t ours < <(cd "$REPO" && git ls-files -co --exclude-standard -- tests .buildkite)
+    [ ${#ours[@]} -gt 0 ] || die "no tests/ or .buildkite/ files in $REPO"
+    if [ -f "$manifest" ]; then
+        local old
+        while IFS= read -r old; do
+            printf '%s\n' "${ours[@]}" | grep -qxF -- "$old" && continue
+            rm -f "$CHECKOUT/$old"
+            tar -xzf "$tarball" -C "$(dirname "$CHECKOUT")" \
+                "$(basename "$CHECKOUT")/$old" 2>/dev/null || true
+        done <"$manifest"
+    fi
+    (cd "$REPO" && cp --parents -f -- "${ours[@]}" "$CHECKOUT/") ||
+        die "could not copy our files into $CHECKOUT"
+    printf '%s\n' "${ours[@]}" >"$manifest"
+    OURS_PY=()
+    local f
+    for f in "${ours[@]}"; do [[ $f == *.py ]] && OURS_PY+=("$f"); done
+}
+
+overlay
+export PATH="$VENV/bin:$PATH" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+cd "$CHECKOUT"
+
+if [ "$job" = all ]; then
+    echo "suite: ruff check and ruff format --check on ${#OURS_PY[@]} files"
+    # vLLM's pyproject settings apply; its source vllm/ is moved aside here,
+    # so say what ruff would infer from it in a real checkout.
+    first_party=(--config "lint.isort.known-first-party = ['vllm', 'tests']")
+    ruff check "${first_party[@]}" "${OURS_PY[@]}"
+    ruff format --check "${OURS_PY[@]}"
+    tests=("${ALL_TESTS[@]}")
+else
+    tests=("${MAIN_TESTS[@]}")
+fi
+exec python -m pytest -v -s -rA "${tests[@]}" "$@"

@@ -1,0 +1,109 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Write a tiny Qwen3-Next hybrid checkpoint with realistic random weights.
+
+Three Gated DeltaNet layers and one full-attention layer, hidden size 256 and
+four experts: small enough to write in seconds and serve on two CPU cores,
+large enough that a wrong restored recurrent state moves the logprobs.
+
+vLLM's ``--load-format dummy`` is deliberately not used: its weights are
+uniform in +-1e-3, which makes the recurrent state numerically invisible (a
+zeroed state on every prefix hit left the logprobs bit-identical). The
+weights here come from the model's own initializer under a fixed seed and
+go through vLLM's normal safetensors loader.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+ARCHITECTURE = "Qwen3NextForCausalLM"
+SEED = 1234
+
+# Special tokens sit at the start of the vocabulary; every id from
+# FIRST_WORD_ID on is an ordinary word, safe for random prompts.
+SPECIAL_TOKENS = ("<unk>", "<|endoftext|>")
+FIRST_WORD_ID = len(SPECIAL_TOKENS)
+VOCAB_SIZE = 2048
+
+
+@dataclass(frozen=True)
+class TinyHybrid:
+    path: Path
+    # Random prompt token ids are drawn from [first_word_id, vocab_size).
+    first_word_id: int
+    vocab_size: int
+
+
+def _config() -> dict:
+    num_layers = 4
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3_next",
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": num_layers,
+        "layer_types": ["linear_attention"] * (num_layers - 1) + ["full_attention"],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128,
+        "shared_expert_intermediate_size": 128,
+        "decoder_sparse_step": 1,
+        "norm_topk_prob": True,
+        "max_position_embeddings": 16384,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+        },
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "bos_token_id": FIRST_WORD_ID - 1,
+        "eos_token_id": FIRST_WORD_ID - 1,
+        "dtype": "bfloat16",
+    }
+
+
+def _write_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    vocab.update({f"w{i}": i for i in range(FIRST_WORD_ID, VOCAB_SIZE)})
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS[0]))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "unk_token": SPECIAL_TOKENS[0],
+                "eos_token": SPECIAL_TOKENS[1],
+                "model_max_length": _config()["max_position_embeddings"],
+            },
+            indent=2,
+        )
+    )
+
+
+def write_tiny_hybrid(path: Path) -> TinyHybrid:
+    """Write config, tokenizer and seeded weights into ``path``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(_config(), indent=2))
+    config = AutoConfig.from_pretrained(path)
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+    _write_tokenizer(path)
+    return TinyHybrid(path=path, first_word_id=FIRST_WORD_ID, vocab_size=VOCAB_SIZE)
