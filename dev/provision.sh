@@ -75,6 +75,10 @@ ensure_venv() {
     fi
     require_index
     say "installing $REQ into $VENV"
+    local pip_pin
+    pip_pin=$(grep -x 'pip==[^ ]*' "$REQ") || die "no pip==VERSION pin in $REQ"
+    "$VENV/bin/pip" install -q --progress-bar off "${PIP_NET[@]}" "$pip_pin" ||
+        die "could not install $pip_pin (see pip's output above)"
     "$VENV/bin/pip" install -q --progress-bar off "${PIP_NET[@]}" -r "$REQ" ||
         die "pip could not install $REQ (see pip's output above)"
     # PyPI's torchvision, torchaudio and torchcodec are built against CUDA

@@ -4,7 +4,8 @@
 #   dev/suite.sh cpu-tier   the main job: the CPU-tier suite, printing every
 #                           case's turn table (pytest -v -s)
 #   dev/suite.sh all        ruff (check and format --check, vLLM's settings)
-#                           on our files, then every test of this project
+#                           on our files, then every test of this project:
+#                           dev/tests (provisioning), then the overlaid tests
 #
 # Extra arguments go to pytest. Our tests/ and .buildkite/ files are laid
 # over the vLLM checkout before every run, and pytest runs from the checkout,
@@ -67,6 +68,10 @@ if [ "$job" = all ]; then
     first_party=(--config "lint.isort.known-first-party = ['vllm', 'tests']")
     ruff check "${first_party[@]}" "${OURS_PY[@]}"
     ruff format --check "${OURS_PY[@]}"
+    ruff check --config "$CHECKOUT/pyproject.toml" "$REPO/dev"
+    ruff format --check --config "$CHECKOUT/pyproject.toml" "$REPO/dev"
+    echo "suite: the provisioning tests (dev/tests)"
+    (cd "$REPO" && python -m pytest -v -rA -p no:cacheprovider dev/tests)
     tests=("${ALL_TESTS[@]}")
 else
     tests=("${MAIN_TESTS[@]}")
