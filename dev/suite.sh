@@ -14,7 +14,11 @@ set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 MAIN_TESTS=(tests/models/hybrid_prefix_cache/test_cpu_tier.py)
-ALL_TESTS=(tests/models/hybrid_prefix_cache)
+ALL_TESTS=(
+    tests/models/hybrid_prefix_cache
+    tests/models/kimi_k3/test_prefix_cache.py
+    tests/models/kimi_k3/test_prefix_cache_matrix.py
+)
 
 die() {
     echo "suite: error: $*" >&2

@@ -17,16 +17,19 @@ what to deploy (:class:`Deployment` of :class:`Instance`) and how to match
 import contextlib
 import json
 import random
-import urllib.request
+import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from math import lcm
 
+import pytest
+import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.models.utils import check_logprobs_close
 from tests.utils import RemoteOpenAIServer
+from vllm.utils.network_utils import get_open_port
 
 # The conversation: the first prompt spans FIRST_PROMPT_BLOCKS blocks plus an
 # unaligned tail; every later turn appends TURN_TOKENS tokens (the previous
@@ -38,6 +41,24 @@ TURN_TOKENS = 777
 MAX_TOKENS = 8
 NUM_LOGPROBS = 5
 TOKEN_ID_PREFIX = "token_id:"
+REQUEST_TIMEOUT = 600.0
+# An offload deployment's prefix-cache reset answers success=false while
+# blocks are still held (e.g. by in-flight offload transfers); retry.
+RESET_ATTEMPTS = 120
+RESET_INTERVAL = 0.5
+# Environment of every instance of a P/D deployment: hybrid models transfer
+# their conv state in the DS layout.
+PD_ENV = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
+# The prefill leg of a P/D request asks the prefiller to keep the KV for a
+# remote decoder.
+PREFILL_KV_TRANSFER_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 @dataclass(frozen=True)
@@ -111,6 +132,24 @@ class Deployment:
     def num_devices(self) -> int:
         return sum(instance.num_devices for instance in self.instances)
 
+    @property
+    def compares_logprobs(self) -> bool:
+        """Whether a hit's logprobs can be held to the recompute's.
+
+        Under P/D with different TP sizes, prefiller and decoder hold
+        differently sharded (and, with dummy weights, different) weights.
+        """
+        return self.prefill is None or self.prefill.tp == self.decode.tp
+
+
+def device_ranges(deployment: Deployment) -> list[range]:
+    """Disjoint, contiguous device ids for each instance, in order."""
+    ranges, start = [], 0
+    for instance in deployment.instances:
+        ranges.append(range(start, start + instance.num_devices))
+        start += instance.num_devices
+    return ranges
+
 
 @dataclass(frozen=True)
 class Binding:
@@ -118,7 +157,9 @@ class Binding:
 
     ``token_ids`` is the half-open range random prompt ids are drawn from.
     ``logprob_atol`` bounds the difference between the sampled tokens'
-    logprobs of a cache hit and of its recompute.
+    logprobs of a cache hit and of its recompute; None where no tolerance
+    has been measured on the platform (``check_logprobs_close`` still
+    applies).
     """
 
     model: str
@@ -126,12 +167,54 @@ class Binding:
     token_ids: tuple[int, int]
     env: Mapping[str, str] = field(default_factory=dict, hash=False)
     startup_timeout: float = 600.0
-    logprob_atol: float = 0.0
+    logprob_atol: float | None = 0.0
+    # The variable that gives a P/D instance its own devices, or None where
+    # instances share the machine (the CPU backend).
+    visible_devices_env: str | None = "CUDA_VISIBLE_DEVICES"
+
+
+def matrix_params(
+    deployments: Mapping[str, Deployment],
+    modes: Mapping[str, Mode],
+    known_failures: Mapping[str, str],
+    device_marks: Callable[[int], list] | None = None,
+) -> list:
+    """One ``pytest.param(deployment, mode)`` per cell, id
+    ``<deployment>-<mode>``.
+
+    A cell listed in ``known_failures`` (id -> reason) is a strict xfail, so
+    that a fix upstream shows as XPASS. ``device_marks(n)`` gives the marks
+    of a cell that needs ``n`` > 1 devices.
+    """
+    ids = {f"{d}-{m}" for d in deployments for m in modes}
+    unknown = sorted(set(known_failures) - ids)
+    if unknown:
+        raise ValueError(f"known failures name no case of the matrix: {unknown}")
+    params = []
+    for dep_name, deployment in deployments.items():
+        for mode_name, mode in modes.items():
+            case_id = f"{dep_name}-{mode_name}"
+            marks = []
+            if device_marks is not None and deployment.num_devices > 1:
+                marks += device_marks(deployment.num_devices)
+            if case_id in known_failures:
+                marks.append(
+                    pytest.mark.xfail(reason=known_failures[case_id], strict=True)
+                )
+            params.append(pytest.param(deployment, mode, id=case_id, marks=marks))
+    return params
 
 
 def server_args(binding: Binding, instance: Instance, mode: Mode) -> list[str]:
     """The ``vllm serve`` arguments (after the model) of one instance."""
     return [*binding.base_args, *instance.args(), *mode.args()]
+
+
+def expected_resend(prompt_len: int, unit: int) -> int:
+    """The hit of an exact resend of a ``prompt_len``-token prompt: its own
+    last checkpoint, strictly inside the prompt (also with a drafter that
+    keeps the trailing unit's state, such as DSpark)."""
+    return (prompt_len - 1) // unit * unit
 
 
 def expected_cached(prev_len: int, unit: int, spec: bool) -> int:
@@ -167,18 +250,34 @@ def impossible_hit(cached: int, prev_len: int, prompt_len: int, unit: int) -> st
 # --- serving ---------------------------------------------------------------
 
 
+def instance_env(
+    binding: Binding, deployment: Deployment, devices: range
+) -> dict[str, str]:
+    """The environment of one instance of ``deployment``."""
+    env = dict(binding.env)
+    if deployment.offload:
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes POST /reset_prefix_cache
+    if deployment.prefill is not None:
+        env.update(PD_ENV)
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(get_open_port())
+        if binding.visible_devices_env is not None:
+            env[binding.visible_devices_env] = ",".join(map(str, devices))
+    return env
+
+
 @contextlib.contextmanager
 def serve(
     binding: Binding, deployment: Deployment, mode: Mode
 ) -> Iterator[list[RemoteOpenAIServer]]:
-    """Serve every instance of ``deployment``; shut them down together."""
+    """Serve every instance of ``deployment`` (prefiller first); shut them
+    down together."""
     servers: list[RemoteOpenAIServer] = []
     try:
-        for instance in deployment.instances:
+        for instance, devices in zip(deployment.instances, device_ranges(deployment)):
             server = RemoteOpenAIServer(
                 binding.model,
                 server_args(binding, instance, mode),
-                env_dict=dict(binding.env),
+                env_dict=instance_env(binding, deployment, devices),
                 max_wait_seconds=binding.startup_timeout,
             )
             servers.append(server)
@@ -187,12 +286,32 @@ def serve(
         RemoteOpenAIServer.shutdown_many(servers)
 
 
+def reset_prefix_caches(servers: Sequence[RemoteOpenAIServer]) -> None:
+    """Drop every server's device prefix cache, keeping the offloaded one,
+    so that the next hit must come from the CPU tier."""
+    for server in servers:
+        url = server.url_for("reset_prefix_cache")
+        for _ in range(RESET_ATTEMPTS):
+            response = requests.post(
+                url, params={"reset_external": "false"}, timeout=60
+            )
+            response.raise_for_status()
+            if response.json().get("success"):
+                break
+            time.sleep(RESET_INTERVAL)
+        else:
+            raise AssertionError(
+                f"{url} kept answering success=false for "
+                f"{RESET_ATTEMPTS * RESET_INTERVAL:.0f} s"
+            )
+
+
 def read_metrics(server: RemoteOpenAIServer) -> dict[str, list]:
     """The server's Prometheus samples, by sample name."""
-    with urllib.request.urlopen(server.url_for("metrics"), timeout=30) as response:
-        text = response.read().decode()
+    response = requests.get(server.url_for("metrics"), timeout=30)
+    response.raise_for_status()
     samples: dict[str, list] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(response.text):
         for sample in family.samples:
             samples.setdefault(sample.name, []).append(sample)
     return samples
@@ -240,6 +359,7 @@ class Sample:
     top_logprobs: list[dict[int, float]]
     prompt_tokens: int
     cached_tokens: int
+    kv_transfer_params: dict | None = None
 
     def as_tokens_text_logprobs(self) -> tuple:
         return (self.token_ids, self.text, self.top_logprobs)
@@ -251,34 +371,92 @@ def _token_id(token: str) -> int:
     return int(token.removeprefix(TOKEN_ID_PREFIX))
 
 
-def complete(client, model: str, prompt: Sequence[int], salt: str) -> Sample:
+def complete(
+    server: RemoteOpenAIServer,
+    model: str,
+    prompt: Sequence[int],
+    salt: str,
+    *,
+    max_tokens: int = MAX_TOKENS,
+    kv_transfer_params: dict | None = None,
+) -> Sample:
     """A greedy completion of ``prompt`` (token ids) under ``salt``."""
-    response = client.completions.create(
-        model=model,
-        prompt=list(prompt),
-        max_tokens=MAX_TOKENS,
-        temperature=0.0,
-        logprobs=NUM_LOGPROBS,
-        extra_body={"cache_salt": salt, "return_tokens_as_token_ids": True},
-    )
-    choice, usage = response.choices[0], response.usage
-    details = usage.prompt_tokens_details
-    if details is None or details.cached_tokens is None:
+    body = {
+        "model": model,
+        "prompt": list(prompt),
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "logprobs": NUM_LOGPROBS,
+        "cache_salt": salt,
+        "return_tokens_as_token_ids": True,
+    }
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
+    url = server.url_for("v1/completions")
+    response = requests.post(url, json=body, timeout=REQUEST_TIMEOUT)
+    if response.status_code != 200:
+        raise AssertionError(
+            f"{url} answered {response.status_code}: {response.text[:2000]}"
+        )
+    data = response.json()
+    choice, usage = data["choices"][0], data["usage"]
+    details = usage.get("prompt_tokens_details") or {}
+    if details.get("cached_tokens") is None:
         raise AssertionError(
             "the server reports no usage.prompt_tokens_details.cached_tokens; "
             "serve with --enable-prompt-tokens-details"
         )
-    logprobs = choice.logprobs
+    logprobs = choice["logprobs"]
     return Sample(
-        token_ids=[_token_id(t) for t in logprobs.tokens],
-        text=choice.text,
-        token_logprobs=list(logprobs.token_logprobs),
+        token_ids=[_token_id(t) for t in logprobs["tokens"]],
+        text=choice["text"],
+        token_logprobs=list(logprobs["token_logprobs"]),
         top_logprobs=[
-            {_token_id(t): lp for t, lp in top.items()} for top in logprobs.top_logprobs
+            {_token_id(t): lp for t, lp in top.items()}
+            for top in logprobs["top_logprobs"]
         ],
-        prompt_tokens=usage.prompt_tokens,
-        cached_tokens=details.cached_tokens,
+        prompt_tokens=usage["prompt_tokens"],
+        cached_tokens=details["cached_tokens"],
+        kv_transfer_params=data.get("kv_transfer_params"),
     )
+
+
+def send(
+    servers: Sequence[RemoteOpenAIServer],
+    model: str,
+    prompt: Sequence[int],
+    salt: str,
+) -> Sample:
+    """One turn's request through the deployment.
+
+    With a prefiller (``servers`` = prefiller, decoder), the prefiller
+    computes the prompt and keeps its KV for the decoder; the decoder then
+    pulls it over the KV connector and generates. The hit is the
+    prefiller's: that is where the prefix cache is consulted.
+    """
+    if len(servers) == 1:
+        return complete(servers[0], model, prompt, salt)
+    prefiller, decoder = servers
+    prefill = complete(
+        prefiller,
+        model,
+        prompt,
+        salt,
+        max_tokens=1,
+        kv_transfer_params=PREFILL_KV_TRANSFER_PARAMS,
+    )
+    if not prefill.kv_transfer_params:
+        raise AssertionError(
+            f"the prefiller {prefiller.url_root} returned no kv_transfer_params"
+        )
+    decode = complete(
+        decoder,
+        model,
+        prompt,
+        salt,
+        kv_transfer_params=prefill.kv_transfer_params,
+    )
+    return replace(decode, cached_tokens=prefill.cached_tokens)
 
 
 @dataclass
@@ -301,7 +479,12 @@ class Turn:
         return max((abs(a - b) for a, b in pairs), default=0.0)
 
 
-def check_turn(turn: Turn, units: Units, logprob_atol: float) -> None:
+def check_turn(
+    turn: Turn,
+    units: Units,
+    logprob_atol: float | None,
+    compare_logprobs: bool = True,
+) -> None:
     """Record in ``turn.problems`` every way this turn is wrong."""
     out, rec = turn.output, turn.recompute
     assert out is not None and rec is not None
@@ -327,6 +510,8 @@ def check_turn(turn: Turn, units: Units, logprob_atol: float) -> None:
     why = impossible_hit(out.cached_tokens, turn.prev_len, turn.prompt_len, units.hit)
     if why:
         turn.problems.append(f"{name}: impossible hit: {why}")
+    if not compare_logprobs:
+        return
     try:
         check_logprobs_close(
             outputs_0_lst=[rec.as_tokens_text_logprobs()],
@@ -338,7 +523,7 @@ def check_turn(turn: Turn, units: Units, logprob_atol: float) -> None:
         turn.problems.append(f"{name}: output differs from the recompute: {e}")
         return
     diff = turn.max_logprob_diff
-    if diff is not None and diff > logprob_atol:
+    if logprob_atol is not None and diff is not None and diff > logprob_atol:
         turn.problems.append(
             f"{name}: sampled logprobs differ from the recompute by {diff:.3g} "
             f"> {logprob_atol:g}, with the same tokens: the restored state is "
@@ -352,16 +537,16 @@ def random_tokens(rng: random.Random, token_ids: tuple[int, int], n: int) -> lis
 
 
 def run_conversation(
-    server: RemoteOpenAIServer,
+    servers: Sequence[RemoteOpenAIServer],
     binding: Binding,
+    deployment: Deployment,
     mode: Mode,
     units: Units,
     seed: str,
     turns: list[Turn],
 ) -> None:
-    """Run the conversation against ``server``, appending to ``turns``."""
+    """Run the conversation against ``servers``, appending to ``turns``."""
     rng = random.Random(seed)
-    client = server.get_client()
     salt = f"conversation-{uuid.uuid4().hex}"
     first_len = FIRST_PROMPT_BLOCKS * units.block + FIRST_PROMPT_TAIL
     prompt = random_tokens(rng, binding.token_ids, first_len)
@@ -370,10 +555,12 @@ def run_conversation(
         expected = expected_cached(prev_len, units.hit, mode.spec is not None)
         turn = Turn(index, len(prompt), prev_len, expected)
         turns.append(turn)
-        turn.output = complete(client, binding.model, prompt, salt)
+        if deployment.offload:
+            reset_prefix_caches(servers)
+        turn.output = send(servers, binding.model, prompt, salt)
         fresh = f"recompute-{uuid.uuid4().hex}"
-        turn.recompute = complete(client, binding.model, prompt, fresh)
-        check_turn(turn, units, binding.logprob_atol)
+        turn.recompute = send(servers, binding.model, prompt, fresh)
+        check_turn(turn, units, binding.logprob_atol, deployment.compares_logprobs)
         prev_len = len(prompt)
         appended = turn.output.token_ids[:TURN_TOKENS]
         fill = random_tokens(rng, binding.token_ids, TURN_TOKENS - len(appended))
@@ -409,15 +596,63 @@ def run_case(
 
     The turn table is printed whether the case passes or fails.
     """
-    if deployment.prefill is not None or deployment.offload:
-        raise NotImplementedError(f"{case_id}: P/D and offload are not wired yet")
     turns: list[Turn] = []
     units = None
     try:
         with serve(binding, deployment, mode) as servers:
-            (server,) = servers
-            units = Units.from_cache_config(cache_config(server), mode)
-            run_conversation(server, binding, mode, units, case_id, turns)
+            # The hit unit is the one of the instance that consults its
+            # prefix cache: the prefiller under P/D.
+            units = Units.from_cache_config(cache_config(servers[0]), mode)
+            run_conversation(servers, binding, deployment, mode, units, case_id, turns)
+    finally:
+        print("\n" + format_table(case_id, units, turns))
+    problems = [p for turn in turns for p in turn.problems]
+    assert not problems, f"{case_id}:\n" + "\n".join(problems)
+
+
+def run_resend(
+    case_id: str,
+    binding: Binding,
+    deployment: Deployment,
+    mode: Mode,
+    prompt_len: int,
+) -> None:
+    """Send one prompt cold, resend it, and recompute it under a fresh salt.
+
+    The cold request and the recompute hit nothing; the resend hits exactly
+    the prompt's own last checkpoint (:func:`expected_resend`).
+    """
+    turns: list[Turn] = []
+    units = None
+    try:
+        with serve(binding, deployment, mode) as servers:
+            units = Units.from_cache_config(cache_config(servers[0]), mode)
+            rng = random.Random(case_id)
+            prompt = random_tokens(rng, binding.token_ids, prompt_len)
+            salt = f"resend-{uuid.uuid4().hex}"
+            cold = Turn(0, prompt_len, 0, 0)
+            turns.append(cold)
+            cold.output = send(servers, binding.model, prompt, salt)
+            if cold.output.cached_tokens != 0:
+                cold.problems.append(
+                    f"cold request: cached {cold.output.cached_tokens}, expected 0"
+                )
+            if deployment.offload:
+                reset_prefix_caches(servers)
+            expected = expected_resend(prompt_len, units.hit)
+            resend = Turn(1, prompt_len, prompt_len, expected)
+            turns.append(resend)
+            resend.output = send(servers, binding.model, prompt, salt)
+            fresh = f"recompute-{uuid.uuid4().hex}"
+            resend.recompute = send(servers, binding.model, prompt, fresh)
+            check_turn(
+                resend, units, binding.logprob_atol, deployment.compares_logprobs
+            )
+            if resend.output.cached_tokens != expected:
+                resend.problems.append(
+                    f"resend: cached {resend.output.cached_tokens}, expected "
+                    f"exactly {expected}"
+                )
     finally:
         print("\n" + format_table(case_id, units, turns))
     problems = [p for turn in turns for p in turn.problems]

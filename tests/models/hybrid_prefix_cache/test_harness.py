@@ -10,8 +10,10 @@ from tests.models.hybrid_prefix_cache.harness import (
     Instance,
     Mode,
     Units,
+    device_ranges,
     expected_cached,
     impossible_hit,
+    instance_env,
     server_args,
 )
 
@@ -109,3 +111,31 @@ def test_units_from_cache_config():
     )
     with pytest.raises(AssertionError, match="prefix_match_unit"):
         Units.from_cache_config(labels, Mode(prefix_match_unit=64))
+
+
+def test_device_ranges_are_disjoint_and_contiguous():
+    pd = Deployment(decode=Instance(dp=2), prefill=Instance(tp=2))
+    assert device_ranges(pd) == [range(0, 2), range(2, 4)]
+    assert device_ranges(Deployment(decode=Instance(tp=2))) == [range(0, 2)]
+
+
+def test_instance_env():
+    binding = Binding(model="m", base_args=(), token_ids=(2, 10), env={"A": "1"})
+    assert instance_env(binding, Deployment(), range(0, 1)) == {"A": "1"}
+    offload = instance_env(binding, Deployment(offload=True), range(0, 1))
+    assert offload == {"A": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    pd = Deployment(prefill=Instance(tp=2))
+    env = instance_env(binding, pd, range(2, 4))
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert env["VLLM_SSM_CONV_STATE_LAYOUT"] == "DS"
+    assert int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) > 0
+    cpu = Binding(model="m", base_args=(), token_ids=(2, 10), visible_devices_env=None)
+    assert "CUDA_VISIBLE_DEVICES" not in instance_env(cpu, pd, range(2, 4))
+
+
+def test_compares_logprobs_only_across_equal_tp():
+    assert Deployment().compares_logprobs
+    assert Deployment(prefill=Instance()).compares_logprobs
+    assert not Deployment(
+        decode=Instance(dp=2), prefill=Instance(tp=2)
+    ).compares_logprobs

@@ -1,0 +1,254 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Kimi-K3 prefix-cache reuse in every deployment and mode.
+
+Kimi-K3 interleaves Kimi Delta Attention with MLA layers, so a prefix is
+reused only at a saved recurrent-state checkpoint. Every deployment (plain,
+CPU offload, DCP, P/D over NIXL and their combinations) runs every mode
+(block, partial, each with and without DSpark) through the shared harness in
+``tests/models/hybrid_prefix_cache/harness.py``; this module only binds it.
+
+Needs the SM100 family (B200/GB200) or MI355 (gfx950); up to 4 GPUs.
+``KIMI_K3_PREFIX_CACHE_MODEL`` and ``KIMI_K3_PREFIX_CACHE_DRAFT`` point the
+model and the DSpark draft at local copies on machines without hub access.
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import replace
+
+import pytest
+
+from tests.models.hybrid_prefix_cache.harness import (
+    Binding,
+    Deployment,
+    Instance,
+    Mode,
+    matrix_params,
+    run_case,
+    run_resend,
+)
+from tests.utils import multi_gpu_marks
+from vllm.platforms import current_platform
+from vllm.utils.network_utils import get_open_port
+
+# The official Kimi-K3 config cut to 8 layers, without weights.
+MODEL = os.environ.get("KIMI_K3_PREFIX_CACHE_MODEL", "riverclouds/Kimi-K3-8L-dummy")
+# The recipe's DSpark draft, its target_layer_ids remapped to the 8 layers.
+DRAFT = os.environ.get(
+    "KIMI_K3_PREFIX_CACHE_DRAFT", "riverclouds/Kimi-K3-DSpark-for-8L-dummy"
+)
+
+PARTIAL_UNIT = 128
+GiB = 1 << 30
+STARTUP_TIMEOUT = 1200.0
+
+BASE_ARGS = (
+    "--trust-remote-code",
+    "--language-model-only",
+    "--load-format",
+    "dummy",
+    "--no-enable-flashinfer-autotune",
+    "--enable-prompt-tokens-details",
+    # The default max_num_seqs runs one GPU out of memory in warmup.
+    "--max-num-seqs",
+    "8",
+)
+
+DSPARK = {
+    "method": "dspark",
+    "model": DRAFT,
+    "num_speculative_tokens": 7,
+    "draft_sample_method": "probabilistic",
+    "rejection_sample_method": "block",
+}
+
+NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+# SimpleCPUOffloadConnector as the Kimi-K3 recipe configures it.
+OFFLOAD = {
+    "kv_connector": "SimpleCPUOffloadConnector",
+    "kv_role": "kv_both",
+    "kv_connector_extra_config": {
+        "cpu_bytes_to_use_per_rank": 32 * GiB,
+        "lazy_offload": False,
+    },
+}
+NIXL_OFFLOAD = {
+    "kv_connector": "MultiConnector",
+    "kv_role": "kv_both",
+    "kv_connector_extra_config": {"connectors": [NIXL, OFFLOAD]},
+}
+MOONCAKE_STORE = {
+    "kv_connector": "MooncakeStoreConnector",
+    "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute",
+    "kv_connector_extra_config": {"load_async": True, "lookup_async": True},
+}
+
+MODES = {
+    "block": Mode(),
+    "partial": Mode(prefix_match_unit=PARTIAL_UNIT),
+    "block-dspark": Mode(spec=DSPARK),
+    "partial-dspark": Mode(prefix_match_unit=PARTIAL_UNIT, spec=DSPARK),
+}
+
+DEPLOYMENTS = {
+    "plain": Deployment(),
+    "offload": Deployment(decode=Instance(kv_config=OFFLOAD), offload=True),
+    "dcp2": Deployment(decode=Instance(tp=2, dcp=2)),
+    "dcp2-offload": Deployment(
+        decode=Instance(tp=2, dcp=2, kv_config=OFFLOAD), offload=True
+    ),
+    "pd": Deployment(prefill=Instance(kv_config=NIXL), decode=Instance(kv_config=NIXL)),
+    # NIXL rejects prefix caching on a hybrid decoder whose TP differs from
+    # the prefiller's, so only the prefiller caches.
+    "pd-tp2-dep2": Deployment(
+        prefill=Instance(tp=2, kv_config=NIXL),
+        decode=Instance(
+            dp=2, expert_parallel=True, kv_config=NIXL, prefix_caching=False
+        ),
+    ),
+    "pd-offload": Deployment(
+        prefill=Instance(kv_config=NIXL_OFFLOAD),
+        decode=Instance(kv_config=NIXL_OFFLOAD),
+        offload=True,
+    ),
+}
+
+_DCP_SPEC = "FlashInfer MLA DCP decode breaks on ragged spec batches (vLLM #59392)"
+KNOWN_FAILURES = {
+    "sm100": {
+        f"{deployment}-{mode}": _DCP_SPEC
+        for deployment in ("dcp2", "dcp2-offload")
+        for mode in ("block-dspark", "partial-dspark")
+    },
+    # Empty: no case has been seen failing on MI355 yet. Add entries here
+    # as they are found, each with its reason.
+    "mi355": {},
+}
+
+# Exact resends: 7040 tokens is a PMU multiple but not block-aligned; 7296
+# is an exact PMU multiple.
+RESEND_LENGTHS = (7040, 7296)
+RESEND_MODE = "partial-dspark"
+# Needs the Mamba state at 7424, beyond the store's normal save boundary.
+MOONCAKE_RESEND_LENGTH = 7449
+
+
+def _platform() -> str | None:
+    if current_platform.is_cuda() and current_platform.is_device_capability_family(100):
+        return "sm100"
+    if current_platform.is_rocm():
+        from vllm.platforms.rocm import on_gfx950
+
+        if on_gfx950():
+            return "mi355"
+    return None
+
+
+PLATFORM = _platform()
+
+pytestmark = pytest.mark.skipif(
+    PLATFORM is None,
+    reason=(
+        "Kimi-K3 kernels need an SM100-family NVIDIA GPU or an MI355 (gfx950); "
+        f"this is {current_platform.device_name!r}"
+    ),
+)
+
+BINDING = Binding(
+    model=MODEL,
+    base_args=BASE_ARGS,
+    # Any id of the tokenizer's ordinary range; dummy weights do not care.
+    token_ids=(1000, 100_000),
+    env={},
+    startup_timeout=STARTUP_TIMEOUT,
+    # A hit and a miss run different GEMM shapes on GPUs (vLLM #33123), so
+    # their sampled logprobs are not bit-identical, and no tolerance has been
+    # measured on these GPUs yet: only check_logprobs_close applies.
+    logprob_atol=None,
+    visible_devices_env=current_platform.device_control_env_var,
+)
+
+MATRIX = matrix_params(
+    DEPLOYMENTS,
+    MODES,
+    KNOWN_FAILURES.get(PLATFORM or "sm100", {}),
+    device_marks=lambda n: multi_gpu_marks(num_gpus=n),
+)
+
+
+@pytest.mark.parametrize(("deployment", "mode"), MATRIX)
+def test_prefix_cache(request, deployment: Deployment, mode: Mode) -> None:
+    run_case(request.node.callspec.id, BINDING, deployment, mode)
+
+
+@pytest.mark.parametrize("prompt_len", RESEND_LENGTHS, ids=lambda n: f"resend-{n}")
+def test_exact_resend(request, prompt_len: int) -> None:
+    case_id = f"plain-{RESEND_MODE}-{request.node.callspec.id}"
+    run_resend(case_id, BINDING, DEPLOYMENTS["plain"], MODES[RESEND_MODE], prompt_len)
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"mooncake_master exited with {proc.returncode}")
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"mooncake_master did not listen on {port} in {timeout} s")
+
+
+@pytest.fixture
+def mooncake_config(tmp_path):
+    """A real ``mooncake_master`` on a free port, and a client config for it."""
+    master = shutil.which("mooncake_master")
+    if master is None:
+        pytest.skip("mooncake_master is not installed (pip install mooncake)")
+    port, metrics_port = get_open_port(), get_open_port()
+    proc = subprocess.Popen(
+        [master, f"--rpc_port={port}", f"--metrics_port={metrics_port}"]
+    )
+    try:
+        _wait_for_port(port, proc, timeout=60)
+        config = tmp_path / "mooncake.json"
+        config.write_text(
+            json.dumps(
+                {
+                    "metadata_server": "P2PHANDSHAKE",
+                    "master_server_address": f"127.0.0.1:{port}",
+                    "protocol": "tcp",
+                    "device_name": "",
+                    "global_segment_size": "8GB",
+                    "local_buffer_size": "2GB",
+                }
+            )
+        )
+        yield str(config)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+# The device prefix cache is reset before the resend, so the hit must come
+# from the store.
+MOONCAKE_DEPLOYMENT = Deployment(
+    decode=Instance(kv_config=MOONCAKE_STORE), offload=True
+)
+
+
+def test_mooncake_store_resend(mooncake_config: str) -> None:
+    binding = replace(BINDING, env={"MOONCAKE_CONFIG_PATH": mooncake_config})
+    run_resend(
+        f"mooncake-{RESEND_MODE}-resend-{MOONCAKE_RESEND_LENGTH}",
+        binding,
+        MOONCAKE_DEPLOYMENT,
+        MODES[RESEND_MODE],
+        MOONCAKE_RESEND_LENGTH,
+    )

@@ -1,0 +1,215 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""What can be verified of the Kimi-K3 prefix-cache matrix without a GPU.
+
+``test_prefix_cache.py`` needs SM100 or MI355 GPUs. This module checks, on
+any machine, that it collects exactly the intended cases with the intended
+marks, that every server command line it generates is accepted by the
+installed vLLM's own ``vllm serve`` parser, that its KV-transfer configs
+build vLLM's config class, and that every P/D deployment gets disjoint,
+contiguous devices.
+"""
+
+import contextlib
+import dataclasses
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.models.hybrid_prefix_cache.harness import (
+    Deployment,
+    Mode,
+    device_ranges,
+    expected_resend,
+    server_args,
+)
+from tests.models.kimi_k3 import test_prefix_cache as kimi
+from vllm.config import KVTransferConfig, SpeculativeConfig
+from vllm.entrypoints.cli.serve import ServeSubcommand
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+MODULE = Path(kimi.__file__)
+MAX_GPUS = 4
+
+DEPLOYMENT_GPUS = {
+    "plain": 1,
+    "offload": 1,
+    "dcp2": 2,
+    "dcp2-offload": 2,
+    "pd": 2,
+    "pd-tp2-dep2": 4,
+    "pd-offload": 2,
+}
+MODE_NAMES = ("block", "partial", "block-dspark", "partial-dspark")
+STRICT_XFAILS = {
+    "dcp2-block-dspark",
+    "dcp2-partial-dspark",
+    "dcp2-offload-block-dspark",
+    "dcp2-offload-partial-dspark",
+}
+CELLS = [(d, m) for d in DEPLOYMENT_GPUS for m in MODE_NAMES]
+MATRIX_IDS = [f"{d}-{m}" for d, m in CELLS]
+
+
+def _cells():
+    """(case id, deployment, mode, marks) of every matrix cell."""
+    for param in kimi.MATRIX:
+        deployment, mode = param.values
+        yield param.id, deployment, mode, param.marks
+
+
+def _serve_parser():
+    parser = FlexibleArgumentParser(description="vllm serve, as installed")
+    subparsers = parser.add_subparsers(required=False, dest="subparser")
+    return ServeSubcommand().subparser_init(subparsers)
+
+
+def parse_serve_args(parser, args: list[str]):
+    """Parse ``args`` as the installed ``vllm serve`` would.
+
+    Returns (namespace, "") or (None, why), where ``why`` names the flag
+    the parser rejects: unknown flags, or the parser's own error message
+    (which includes the config class's validation of JSON values).
+    """
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            namespace, unknown = parser.parse_known_args(["--model", kimi.MODEL, *args])
+    except SystemExit:
+        message = stderr.getvalue()
+        return None, message[message.find("error:") :].strip() or message
+    if unknown:
+        return None, f"unknown flags {unknown}"
+    return namespace, ""
+
+
+def _instances():
+    """(where, args) of every server the module can start."""
+    for case_id, deployment, mode, _ in _cells():
+        for index, instance in enumerate(deployment.instances):
+            role = "decode" if index == len(deployment.instances) - 1 else "prefill"
+            yield f"{case_id}/{role}", server_args(kimi.BINDING, instance, mode)
+    resend_mode = kimi.MODES[kimi.RESEND_MODE]
+    plain = kimi.DEPLOYMENTS["plain"].decode
+    yield "resend", server_args(kimi.BINDING, plain, resend_mode)
+    mooncake = kimi.MOONCAKE_DEPLOYMENT.decode
+    yield "mooncake", server_args(kimi.BINDING, mooncake, resend_mode)
+
+
+def test_collection_ids():
+    """Collection yields exactly the matrix, the resends and Mooncake."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", str(MODULE)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    nodes = [line for line in result.stdout.splitlines() if "::" in line]
+    names = [node.split("::", 1)[1] for node in nodes]
+    assert names == [
+        *(f"test_prefix_cache[{case_id}]" for case_id in MATRIX_IDS),
+        "test_exact_resend[resend-7040]",
+        "test_exact_resend[resend-7296]",
+        "test_mooncake_store_resend",
+    ]
+
+
+def test_matrix_marks():
+    cells = list(_cells())
+    assert [case_id for case_id, *_ in cells] == MATRIX_IDS
+    for (dep_name, mode_name), (case_id, deployment, mode, marks) in zip(CELLS, cells):
+        assert deployment is kimi.DEPLOYMENTS[dep_name], case_id
+        assert mode is kimi.MODES[mode_name], case_id
+        gpus = DEPLOYMENT_GPUS[dep_name]
+        assert deployment.num_devices == gpus, case_id
+        distributed = [m for m in marks if m.name == "distributed"]
+        if gpus > 1:
+            assert [m.kwargs for m in distributed] == [{"num_gpus": gpus}], case_id
+            assert any(m.name == "skipif" for m in marks), case_id
+        else:
+            assert not distributed, case_id
+        xfails = [m for m in marks if m.name == "xfail"]
+        if case_id in STRICT_XFAILS:
+            assert len(xfails) == 1 and xfails[0].kwargs["strict"], case_id
+            assert "#59392" in xfails[0].kwargs["reason"], case_id
+        else:
+            assert not xfails, case_id
+
+
+def test_module_skip_reason_off_sm100():
+    if kimi.PLATFORM is not None:
+        pytest.skip(f"this machine is {kimi.PLATFORM}: the module runs here")
+    skip = kimi.pytestmark.mark
+    assert skip.name == "skipif" and skip.args == (True,)
+    assert "SM100" in skip.kwargs["reason"]
+
+
+INSTANCES = list(_instances())
+
+
+@pytest.mark.parametrize(
+    ("where", "args"), INSTANCES, ids=[where for where, _ in INSTANCES]
+)
+def test_serve_args_accepted_by_installed_vllm(where, args):
+    namespace, why = parse_serve_args(_serve_parser(), args)
+    assert namespace is not None, f"{where}: the installed vllm serve rejects {why}"
+    if "--kv-transfer-config" in args:
+        # The parser itself validated the JSON into vLLM's config class.
+        assert isinstance(namespace.kv_transfer_config, KVTransferConfig), where
+    if "--speculative-config" in args:
+        fields = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+        unknown = set(namespace.speculative_config) - fields
+        assert not unknown, f"{where}: SpeculativeConfig has no fields {unknown}"
+
+
+def test_rejected_serve_args_names_the_flag():
+    """The check above fails, naming the flag, on a flag vLLM lacks."""
+    parser = _serve_parser()
+    args = server_args(kimi.BINDING, Deployment().decode, Mode())
+    assert parse_serve_args(parser, args)[1] == ""
+    _, why = parse_serve_args(parser, [*args, "--no-such-flag-4711"])
+    assert why == "unknown flags ['--no-such-flag-4711']"
+    bad_role = json.dumps({**kimi.NIXL, "kv_role": "kv_everything"})
+    _, why = parse_serve_args(parser, [*args, "--kv-transfer-config", bad_role])
+    assert "--kv-transfer-config" in why and "kv_role" in why
+
+
+@pytest.mark.parametrize("name", ["NIXL", "OFFLOAD", "NIXL_OFFLOAD", "MOONCAKE_STORE"])
+def test_kv_transfer_configs_build(name):
+    config = getattr(kimi, name)
+    built = KVTransferConfig(**json.loads(json.dumps(config)))
+    assert built.kv_connector == config["kv_connector"]
+    assert built.kv_role == config["kv_role"]
+
+
+def test_speculative_configs_are_json():
+    for mode in kimi.MODES.values():
+        if mode.spec is None:
+            continue
+        args = mode.args()
+        spec = json.loads(args[args.index("--speculative-config") + 1])
+        assert spec == kimi.DSPARK
+        assert spec["model"] == kimi.DRAFT
+
+
+@pytest.mark.parametrize("name", [n for n in kimi.DEPLOYMENTS if n.startswith("pd")])
+def test_pd_devices_disjoint_contiguous(name):
+    deployment = kimi.DEPLOYMENTS[name]
+    ranges = device_ranges(deployment)
+    devices = [d for r in ranges for d in r]
+    assert devices == list(range(deployment.num_devices))
+    assert len(devices) <= MAX_GPUS
+    assert [len(r) for r in ranges] == [i.num_devices for i in deployment.instances]
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "expected"),
+    [(7040, 6912), (7296, 7168), (7449, 7424)],
+)
+def test_resend_checkpoints(prompt_len, expected):
+    assert expected_resend(prompt_len, kimi.PARTIAL_UNIT) == expected
