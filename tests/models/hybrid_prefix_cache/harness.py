@@ -589,6 +589,39 @@ def format_table(case_id: str, units: Units | None, turns: Sequence[Turn]) -> st
     return "\n".join(lines)
 
 
+@dataclass
+class CaseRecord:
+    """What one case observed, for its table and its verdict."""
+
+    case_id: str
+    units: Units | None = None
+    turns: list[Turn] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def reported_case(case_id: str) -> Iterator[CaseRecord]:
+    """Print the case's turn table however it ends; fail on any problem."""
+    record = CaseRecord(case_id)
+    try:
+        yield record
+    finally:
+        print("\n" + format_table(case_id, record.units, record.turns))
+    problems = [p for turn in record.turns for p in turn.problems]
+    assert not problems, f"{case_id}:\n" + "\n".join(problems)
+
+
+@contextlib.contextmanager
+def serve_case(
+    record: CaseRecord, binding: Binding, deployment: Deployment, mode: Mode
+) -> Iterator[list[RemoteOpenAIServer]]:
+    """Serve the case and record its checkpoint geometry."""
+    with serve(binding, deployment, mode) as servers:
+        # The hit unit is the one of the instance that consults its prefix
+        # cache: the prefiller under P/D.
+        record.units = Units.from_cache_config(cache_config(servers[0]), mode)
+        yield servers
+
+
 def run_case(
     case_id: str, binding: Binding, deployment: Deployment, mode: Mode
 ) -> None:
@@ -596,18 +629,14 @@ def run_case(
 
     The turn table is printed whether the case passes or fails.
     """
-    turns: list[Turn] = []
-    units = None
-    try:
-        with serve(binding, deployment, mode) as servers:
-            # The hit unit is the one of the instance that consults its
-            # prefix cache: the prefiller under P/D.
-            units = Units.from_cache_config(cache_config(servers[0]), mode)
-            run_conversation(servers, binding, deployment, mode, units, case_id, turns)
-    finally:
-        print("\n" + format_table(case_id, units, turns))
-    problems = [p for turn in turns for p in turn.problems]
-    assert not problems, f"{case_id}:\n" + "\n".join(problems)
+    with (
+        reported_case(case_id) as record,
+        serve_case(record, binding, deployment, mode) as servers,
+    ):
+        assert record.units is not None
+        run_conversation(
+            servers, binding, deployment, mode, record.units, case_id, record.turns
+        )
 
 
 def run_resend(
@@ -622,38 +651,33 @@ def run_resend(
     The cold request and the recompute hit nothing; the resend hits exactly
     the prompt's own last checkpoint (:func:`expected_resend`).
     """
-    turns: list[Turn] = []
-    units = None
-    try:
-        with serve(binding, deployment, mode) as servers:
-            units = Units.from_cache_config(cache_config(servers[0]), mode)
-            rng = random.Random(case_id)
-            prompt = random_tokens(rng, binding.token_ids, prompt_len)
-            salt = f"resend-{uuid.uuid4().hex}"
-            cold = Turn(0, prompt_len, 0, 0)
-            turns.append(cold)
-            cold.output = send(servers, binding.model, prompt, salt)
-            if cold.output.cached_tokens != 0:
-                cold.problems.append(
-                    f"cold request: cached {cold.output.cached_tokens}, expected 0"
-                )
-            if deployment.offload:
-                reset_prefix_caches(servers)
-            expected = expected_resend(prompt_len, units.hit)
-            resend = Turn(1, prompt_len, prompt_len, expected)
-            turns.append(resend)
-            resend.output = send(servers, binding.model, prompt, salt)
-            fresh = f"recompute-{uuid.uuid4().hex}"
-            resend.recompute = send(servers, binding.model, prompt, fresh)
-            check_turn(
-                resend, units, binding.logprob_atol, deployment.compares_logprobs
+    with (
+        reported_case(case_id) as record,
+        serve_case(record, binding, deployment, mode) as servers,
+    ):
+        assert record.units is not None
+        prompt = random_tokens(random.Random(case_id), binding.token_ids, prompt_len)
+        salt = f"resend-{uuid.uuid4().hex}"
+        cold = Turn(0, prompt_len, 0, 0)
+        record.turns.append(cold)
+        cold.output = send(servers, binding.model, prompt, salt)
+        if cold.output.cached_tokens != 0:
+            cold.problems.append(
+                f"cold request: cached {cold.output.cached_tokens}, expected 0"
             )
-            if resend.output.cached_tokens != expected:
-                resend.problems.append(
-                    f"resend: cached {resend.output.cached_tokens}, expected "
-                    f"exactly {expected}"
-                )
-    finally:
-        print("\n" + format_table(case_id, units, turns))
-    problems = [p for turn in turns for p in turn.problems]
-    assert not problems, f"{case_id}:\n" + "\n".join(problems)
+        if deployment.offload:
+            reset_prefix_caches(servers)
+        expected = expected_resend(prompt_len, record.units.hit)
+        resend = Turn(1, prompt_len, prompt_len, expected)
+        record.turns.append(resend)
+        resend.output = send(servers, binding.model, prompt, salt)
+        fresh = f"recompute-{uuid.uuid4().hex}"
+        resend.recompute = send(servers, binding.model, prompt, fresh)
+        check_turn(
+            resend, record.units, binding.logprob_atol, deployment.compares_logprobs
+        )
+        if resend.output.cached_tokens > expected:
+            resend.problems.append(
+                f"resend: cached {resend.output.cached_tokens}, expected "
+                f"exactly {expected}"
+            )
