@@ -18,6 +18,7 @@ ALL_TESTS=(
     tests/models/hybrid_prefix_cache
     tests/models/kimi_k3/test_prefix_cache.py
     tests/models/kimi_k3/test_prefix_cache_matrix.py
+    tests/models/kimi_k3/test_prefix_cache_ci.py
 )
 
 die() {
@@ -55,6 +56,18 @@ overlay() {
     fi
     (cd "$REPO" && cp --parents -f -- "${ours[@]}" "$CHECKOUT/") ||
         die "could not copy our files into $CHECKOUT"
+    # Our test-area files hold only our steps: merge them into upstream's by
+    # key (dev/merge_steps.py) instead of replacing upstream's whole file.
+    local area upstream
+    for area in "${ours[@]}"; do
+        [[ $area == .buildkite/test_areas/*.yaml ]] || continue
+        upstream=$(tar -xzOf "$tarball" "$(basename "$CHECKOUT")/$area" 2>/dev/null) ||
+            continue
+        "$VENV/bin/python" "$REPO/dev/merge_steps.py" <(printf '%s\n' "$upstream") \
+            "$REPO/$area" >"$CHECKOUT/$area.merged" ||
+            die "could not merge $area into upstream's"
+        mv "$CHECKOUT/$area.merged" "$CHECKOUT/$area"
+    done
     printf '%s\n' "${ours[@]}" >"$manifest"
     OURS_PY=()
     local f
@@ -74,6 +87,12 @@ if [ "$job" = all ]; then
     ruff format --check "${OURS_PY[@]}"
     ruff check --config "$CHECKOUT/pyproject.toml" "$REPO/dev"
     ruff format --check --config "$CHECKOUT/pyproject.toml" "$REPO/dev"
+    # The CPU-capable NIXL, installed by the script CI uses; twice, since it
+    # must be idempotent. test_prefix_cache_ci.py checks that it imports.
+    for run in 1 2; do
+        echo "suite: install-kv-connectors.sh, run $run"
+        bash "$CHECKOUT/.buildkite/scripts/install-kv-connectors.sh"
+    done
     echo "suite: the provisioning tests (dev/tests)"
     (cd "$REPO" && python -m pytest -v -rA -p no:cacheprovider dev/tests)
     tests=("${ALL_TESTS[@]}")
