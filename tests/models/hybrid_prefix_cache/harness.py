@@ -531,6 +531,25 @@ def check_turn(
         )
 
 
+def play_turn(
+    turn: Turn,
+    servers: Sequence[RemoteOpenAIServer],
+    binding: Binding,
+    deployment: Deployment,
+    units: Units,
+    prompt: Sequence[int],
+    salt: str,
+) -> None:
+    """Send ``prompt`` under ``salt`` (after the offload reset, if any) and
+    again under a fresh salt, then check the turn."""
+    if deployment.offload:
+        reset_prefix_caches(servers)
+    turn.output = send(servers, binding.model, prompt, salt)
+    fresh = f"recompute-{uuid.uuid4().hex}"
+    turn.recompute = send(servers, binding.model, prompt, fresh)
+    check_turn(turn, units, binding.logprob_atol, deployment.compares_logprobs)
+
+
 def random_tokens(rng: random.Random, token_ids: tuple[int, int], n: int) -> list[int]:
     low, high = token_ids
     return [rng.randrange(low, high) for _ in range(n)]
@@ -555,12 +574,7 @@ def run_conversation(
         expected = expected_cached(prev_len, units.hit, mode.spec is not None)
         turn = Turn(index, len(prompt), prev_len, expected)
         turns.append(turn)
-        if deployment.offload:
-            reset_prefix_caches(servers)
-        turn.output = send(servers, binding.model, prompt, salt)
-        fresh = f"recompute-{uuid.uuid4().hex}"
-        turn.recompute = send(servers, binding.model, prompt, fresh)
-        check_turn(turn, units, binding.logprob_atol, deployment.compares_logprobs)
+        play_turn(turn, servers, binding, deployment, units, prompt, salt)
         prev_len = len(prompt)
         appended = turn.output.token_ids[:TURN_TOKENS]
         fill = random_tokens(rng, binding.token_ids, TURN_TOKENS - len(appended))
@@ -665,17 +679,10 @@ def run_resend(
             cold.problems.append(
                 f"cold request: cached {cold.output.cached_tokens}, expected 0"
             )
-        if deployment.offload:
-            reset_prefix_caches(servers)
         expected = expected_resend(prompt_len, record.units.hit)
         resend = Turn(1, prompt_len, prompt_len, expected)
         record.turns.append(resend)
-        resend.output = send(servers, binding.model, prompt, salt)
-        fresh = f"recompute-{uuid.uuid4().hex}"
-        resend.recompute = send(servers, binding.model, prompt, fresh)
-        check_turn(
-            resend, record.units, binding.logprob_atol, deployment.compares_logprobs
-        )
+        play_turn(resend, servers, binding, deployment, record.units, prompt, salt)
         if resend.output.cached_tokens > expected:
             resend.problems.append(
                 f"resend: cached {resend.output.cached_tokens}, expected "

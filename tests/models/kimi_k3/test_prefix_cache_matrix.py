@@ -62,7 +62,9 @@ def _cells():
         yield param.id, deployment, mode, param.marks
 
 
-def _serve_parser():
+@pytest.fixture(scope="module")
+def serve_parser():
+    """The installed ``vllm serve`` parser, built once (argparse is reusable)."""
     parser = FlexibleArgumentParser(description="vllm serve, as installed")
     subparsers = parser.add_subparsers(required=False, dest="subparser")
     return ServeSubcommand().subparser_init(subparsers)
@@ -155,8 +157,8 @@ INSTANCES = list(_instances())
 @pytest.mark.parametrize(
     ("where", "args"), INSTANCES, ids=[where for where, _ in INSTANCES]
 )
-def test_serve_args_accepted_by_installed_vllm(where, args):
-    namespace, why = parse_serve_args(_serve_parser(), args)
+def test_serve_args_accepted_by_installed_vllm(serve_parser, where, args):
+    namespace, why = parse_serve_args(serve_parser, args)
     assert namespace is not None, f"{where}: the installed vllm serve rejects {why}"
     if "--kv-transfer-config" in args:
         # The parser itself validated the JSON into vLLM's config class.
@@ -167,15 +169,14 @@ def test_serve_args_accepted_by_installed_vllm(where, args):
         assert not unknown, f"{where}: SpeculativeConfig has no fields {unknown}"
 
 
-def test_rejected_serve_args_names_the_flag():
+def test_rejected_serve_args_names_the_flag(serve_parser):
     """The check above fails, naming the flag, on a flag vLLM lacks."""
-    parser = _serve_parser()
     args = server_args(kimi.BINDING, Deployment().decode, Mode())
-    assert parse_serve_args(parser, args)[1] == ""
-    _, why = parse_serve_args(parser, [*args, "--no-such-flag-4711"])
+    assert parse_serve_args(serve_parser, args)[1] == ""
+    _, why = parse_serve_args(serve_parser, [*args, "--no-such-flag-4711"])
     assert why == "unknown flags ['--no-such-flag-4711']"
     bad_role = json.dumps({**kimi.NIXL, "kv_role": "kv_everything"})
-    _, why = parse_serve_args(parser, [*args, "--kv-transfer-config", bad_role])
+    _, why = parse_serve_args(serve_parser, [*args, "--kv-transfer-config", bad_role])
     assert "--kv-transfer-config" in why and "kv_role" in why
 
 
