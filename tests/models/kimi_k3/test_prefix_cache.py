@@ -31,6 +31,7 @@ from tests.models.hybrid_prefix_cache.harness import (
     matrix_params,
     run_case,
     run_resend,
+    servers_mark,
 )
 from tests.utils import multi_gpu_marks
 from vllm.platforms import current_platform
@@ -187,6 +188,9 @@ def test_prefix_cache(request, deployment: Deployment, mode: Mode) -> None:
     run_case(request.node.callspec.id, BINDING, deployment, mode)
 
 
+# The resends need the servers of the matrix's plain cell in RESEND_MODE, so
+# they run right after it, on the same servers.
+@servers_mark(f"plain-{RESEND_MODE}")
 @pytest.mark.parametrize("prompt_len", RESEND_LENGTHS, ids=lambda n: f"resend-{n}")
 def test_exact_resend(request, prompt_len: int) -> None:
     case_id = f"plain-{RESEND_MODE}-{request.node.callspec.id}"

