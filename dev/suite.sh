@@ -93,7 +93,8 @@ for run in $(seq "$runs"); do
 done
 
 if [ "$job" = benchmark ]; then
-    exec env PYTHONPATH="$CHECKOUT" python "$REPO/dev/benchmark_cpu_tier.py" "$@"
+    # -P: not dev/ first on sys.path, where dev/tests would shadow tests/.
+    exec env PYTHONPATH="$CHECKOUT" python -P "$REPO/dev/benchmark_cpu_tier.py" "$@"
 fi
 if [ "$job" = all ]; then
     echo "suite: ruff check and ruff format --check on ${#OURS_PY[@]} files"

@@ -282,15 +282,20 @@ def binding(tmp_path_factory) -> Binding:
         logprob_atol=0.0,
         batched_logprob_atol=BATCHED_LOGPROB_ATOL,
         visible_devices_env=None,
-        # Measured here: two instances starting at once took 138 s and
-        # 144 s, against about 56 s each one after the other.
-        concurrent_start=False,
+        # Measured by dev/benchmark_cpu_tier.py on 2 cores, with each P/D
+        # instance bound to a core of its own: the pair started at once in
+        # 70.3 s, one after the other in 109.9 s (45.8 + 61.2 s).
+        concurrent_start=True,
     )
 
 
 # Batched with other conversations, a hit and its recompute run in batches
-# of different shapes. Calibrated on clean runs, see the closing note.
-BATCHED_LOGPROB_ATOL = 1e-3
+# of different shapes and are not bit-identical on CPU. Calibrated on clean
+# runs here: the largest difference over 36 concurrent turn pairs (both
+# modes, all shapes but the known failure) was 2.0e-5, and 3.5e-5 between a
+# conversation played alone and batched; 2e-4 leaves a margin of 6-10x. A
+# wrong restored state is still held to 0 by the cases played alone.
+BATCHED_LOGPROB_ATOL = 2e-4
 
 # Deployments the CPU backend already refused in this session, with the cell
 # that saw it: their other cells skip without another start.
