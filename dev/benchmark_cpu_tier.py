@@ -73,16 +73,9 @@ def main() -> int:
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="hybrid-pc-bench-"))
     model = write_tiny_hybrid(folder)
-    binding = harness.Binding(
-        model=str(model.path),
-        base_args=tier.BASE_ARGS,
-        token_ids=(model.first_word_id, model.vocab_size),
-        env={"HF_HUB_OFFLINE": "1"},
-        startup_timeout=600.0,
-        logprob_atol=0.0,
-        visible_devices_env=None,
-        concurrent_start=False,
-    )
+    # The tier's own binding; the pair-start comparison below passes its
+    # policy explicitly, and server starts are never inside a case's timing.
+    binding = replace(tier.cpu_binding(model), startup_timeout=600.0)
     compiled = replace(
         binding, base_args=tuple(a for a in tier.BASE_ARGS if a != "-O0")
     )

@@ -441,9 +441,8 @@ def server_specs(
 
 
 def log_folder() -> Path:
-    folder = Path(os.environ.get(REPORT_DIR_ENV, "hybrid-prefix-cache-report"))
-    folder = folder / "server-logs"
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = report_folder() / "server-logs"
+    folder.mkdir(exist_ok=True)
     return folder
 
 

@@ -29,7 +29,7 @@ from tests.models.hybrid_prefix_cache.harness import (
     expect_known,
     run_case,
 )
-from tests.models.hybrid_prefix_cache.tiny_hybrid import write_tiny_hybrid
+from tests.models.hybrid_prefix_cache.tiny_hybrid import TinyHybrid, write_tiny_hybrid
 from vllm.platforms import current_platform
 
 pytestmark = pytest.mark.skipif(
@@ -268,9 +268,9 @@ def _params() -> list:
     return params
 
 
-@pytest.fixture(scope="module")
-def binding(tmp_path_factory) -> Binding:
-    model = write_tiny_hybrid(tmp_path_factory.mktemp("tiny-hybrid"))
+def cpu_binding(model: TinyHybrid) -> Binding:
+    """The CPU tier's binding to a written tiny model (also used by
+    dev/benchmark_cpu_tier.py)."""
     return Binding(
         model=str(model.path),
         base_args=BASE_ARGS,
@@ -287,6 +287,11 @@ def binding(tmp_path_factory) -> Binding:
         # 70.3 s, one after the other in 109.9 s (45.8 + 61.2 s).
         concurrent_start=True,
     )
+
+
+@pytest.fixture(scope="module")
+def binding(tmp_path_factory) -> Binding:
+    return cpu_binding(write_tiny_hybrid(tmp_path_factory.mktemp("tiny-hybrid")))
 
 
 # Batched with other conversations, a hit and its recompute run in batches
