@@ -77,7 +77,7 @@ def main() -> int:
     # policy explicitly, and server starts are never inside a case's timing.
     binding = replace(tier.cpu_binding(model), startup_timeout=600.0)
     compiled = replace(
-        binding, base_args=tuple(a for a in tier.BASE_ARGS if a != "-O0")
+        binding, base_args=tuple(a for a in binding.base_args if a != "-O0")
     )
     plain = tier.DEPLOYMENTS["plain"]
     default_executor = Deployment()
