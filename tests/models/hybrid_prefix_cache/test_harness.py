@@ -2,32 +2,60 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Unit tests of the harness's pure helpers; no server, any platform."""
 
+from types import SimpleNamespace
+from typing import get_args
+
 import pytest
 
 from tests.models.hybrid_prefix_cache.harness import (
+    EAGLE_STYLE_METHODS,
+    EXTERNAL_HITS,
+    EXTERNAL_QUERIES,
+    PREFIX_HITS,
+    PREFIX_QUERIES,
+    TURN_TOKENS,
     Binding,
     Deployment,
     Instance,
     Known,
+    Ledger,
     Mode,
     Sample,
     Units,
+    counter_problems,
     device_ranges,
     expect_known,
+    expectation,
     expected_cached,
+    expected_requests,
+    expected_resend,
     first_divergence,
     group_by_servers,
     hit_bound,
     impossible_hit,
+    ledger_entry,
+    plan_turns,
     server_args,
     server_specs,
     servers_mark,
     shape_length,
 )
+from vllm.config.speculative import SpeculativeConfig, SpeculativeMethod
+
+
+def kimi_cell(case_id: str):
+    """(deployment, mode) of a Kimi-K3 matrix cell, from its module."""
+    from tests.models.kimi_k3 import test_prefix_cache as kimi
+
+    for deployment in kimi.DEPLOYMENTS:
+        for mode in kimi.MODES:
+            if f"{deployment}-{mode}" == case_id:
+                return kimi.DEPLOYMENTS[deployment], kimi.MODES[mode]
+    raise KeyError(case_id)
 
 
 @pytest.mark.parametrize(
-    ("prev_len", "unit", "spec", "expected"),
+    ("prev_len", "unit", "drops_unit", "expected"),
     [
         (0, 128, False, 0),  # first turn: nothing stored yet
         (1, 128, False, 0),
@@ -40,15 +68,195 @@ from tests.models.hybrid_prefix_cache.harness import (
         (1198, 128, False, 1152),
         (1198, 16, False, 1184),
         (256, 128, False, 128),  # an exact multiple keeps one unit back
-        (421, 128, True, 256),  # spec decode: one unit lower
-        (129, 128, True, 0),  # ... never below zero
-        (256, 128, True, 0),
+        # An EAGLE-style drafter: the last unit boundary within the prompt,
+        # one unit lower.
+        (421, 128, True, 256),
+        (129, 128, True, 0),
+        (128, 128, True, 0),  # ... never below zero
+        (256, 128, True, 128),  # an exact multiple: no second unit back
         (7040, 128, False, 6912),
         (7296, 128, False, 7168),
     ],
 )
-def test_expected_cached(prev_len: int, unit: int, spec: bool, expected: int):
-    assert expected_cached(prev_len, unit, spec) == expected
+def test_expected_cached(prev_len: int, unit: int, drops_unit: bool, expected: int):
+    assert expected_cached(prev_len, unit, drops_unit) == expected
+
+
+# Real B200 turn tables, from the PR this project started from: per case,
+# the hit unit and (prompt, cached) of its three growing turns.
+B200_TURNS = {
+    # PMU 128; block 2944 under DCP2, so the first prompt is 3 * 2944 + 37.
+    "dcp2-offload-partial": (128, [(8869, 0), (9646, 8832), (10423, 9600)]),
+    # PMU 128, DSpark; block 6144, so the first prompt is 3 * 6144 + 37.
+    "pd-offload-partial-dspark": (128, [(18469, 0), (19246, 18304), (20023, 19072)]),
+}
+
+
+@pytest.mark.parametrize("case_id", B200_TURNS)
+def test_b200_turn_tables(case_id: str):
+    """The expectation functions reproduce what B200 served, from the
+    harness's own plan of the conversation, the case's drafter and its
+    deployment (the P/D prefiller sees each prompt one token short)."""
+    unit, seen = B200_TURNS[case_id]
+    deployment, mode = kimi_cell(case_id)
+    plan = plan_turns(seen[0][0])
+    got = [
+        (turn.prompt_len, expectation(turn, unit, mode.drops_unit, backoff)[0])
+        for turn in plan[: len(seen)]
+        for backoff in [deployment.cache_backoff]
+    ]
+    assert got == seen
+
+
+def test_b200_plain_block_checkpoint():
+    """On main without the fix, plain-block served 0 at its second turn
+    where 17280 was expected: block mode with a 5760-token hit unit."""
+    plan = plan_turns(3 * 5760 + 37)
+    assert expectation(plan[1], 5760, drops_unit=False)[0] == 17280
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "drops_unit", "expected"),
+    [
+        # Upstream's DSpark resends with unit 128.
+        (7040, True, 6912),
+        (7296, True, 7168),
+        (7449, True, 7296),
+        # Without a drafter that drops a unit (none, or n-gram).
+        (7040, False, 6912),
+        (7296, False, 7168),
+        (7449, False, 7424),
+    ],
+)
+def test_expected_resend(prompt_len: int, drops_unit: bool, expected: int):
+    assert expected_resend(prompt_len, 128, drops_unit) == expected
+    resend = plan_turns(prompt_len - 2 * TURN_TOKENS)[-1]
+    assert resend.resend and resend.prompt_len == prompt_len
+    assert expectation(resend, 128, drops_unit)[0] == expected
+
+
+def _flat_literal(tp) -> list[str]:
+    return [
+        leaf
+        for arg in get_args(tp)
+        for leaf in (_flat_literal(arg) if get_args(arg) else [arg])
+    ]
+
+
+def test_drops_unit_follows_vllm():
+    """EAGLE_STYLE_METHODS is vLLM's SpeculativeConfig.use_eagle, method by
+    method, and a config can turn the drop off."""
+    for method in _flat_literal(SpeculativeMethod):
+        vllm_says = SpeculativeConfig.use_eagle(SimpleNamespace(method=method))
+        assert (method in EAGLE_STYLE_METHODS) == vllm_says, method
+        assert Mode(spec={"method": method}).drops_unit == vllm_says, method
+    assert Mode(spec={"method": "dspark"}).drops_unit
+    assert not Mode(spec={"method": "ngram"}).drops_unit
+    assert not Mode().drops_unit
+    off = {"method": "eagle3", "disable_eagle_block_drop": True}
+    assert not Mode(spec=off).drops_unit
+    with pytest.raises(ValueError, match="method"):
+        Mode(spec={"model": "some/draft"})
+
+
+def test_plan_turns():
+    plan = plan_turns(421)
+    assert [(t.prompt_len, t.prev_len, t.resend) for t in plan] == [
+        (421, 0, False),
+        (1198, 421, False),
+        (1975, 1198, False),
+        (1975, 1975, True),
+    ]
+
+
+def test_pd_prefiller_sees_one_token_less():
+    """A P/D prefiller's prompt is one token short (vLLM's NIXL
+    _prefill_backoff): a previous prompt of 385 tokens leaves its
+    checkpoint at 256 there, not 384."""
+    assert Deployment(prefill=Instance()).cache_backoff == 1
+    assert Deployment().cache_backoff == 0
+    turn = plan_turns(385)[1]
+    assert expectation(turn, 128, False) == (384, 384)
+    assert expectation(turn, 128, False, backoff=1) == (256, 384)
+
+
+# One server's completions and counter deltas, by role (ledger_entry).
+P = 1198  # prompt tokens of each completion below
+
+
+def _moved(queries=0.0, hits=0.0, ext_queries=0.0, ext_hits=0.0) -> dict:
+    return {
+        PREFIX_QUERIES: queries,
+        PREFIX_HITS: hits,
+        EXTERNAL_QUERIES: ext_queries,
+        EXTERNAL_HITS: ext_hits,
+    }
+
+
+@pytest.mark.parametrize(
+    ("entries", "moved", "caching", "connector"),
+    [
+        # A plain server: a cold request and a hit of 1152.
+        ([(P, 0, None), (P, 1152, None)], _moved(2 * P, 1152), True, False),
+        # Offload after a reset: usage counts the offload tier's hit, which
+        # only the external counter takes.
+        (
+            [(P, 1152, None), (P, 0, None)],
+            _moved(2 * P, 0, 2 * P, 1152),
+            True,
+            True,
+        ),
+        # A P/D prefiller: it sees each prompt one token short.
+        (
+            [(P, 1152, {"do_remote_decode": True})],
+            _moved(P - 1, 1152, P - 1 - 1152, 0),
+            True,
+            True,
+        ),
+        # A P/D decoder: its usage echoes the prefiller's hit; it held all
+        # but the last token, 384 from its own cache and the rest by NIXL,
+        # and its recompute alone held nothing.
+        (
+            [(P, 1152, {"do_remote_prefill": True}), (P, 0, None)],
+            _moved(2 * P, 384, 2 * P - 384, P - 1 - 384),
+            True,
+            True,
+        ),
+        # A decoder without prefix caching: no local lookup is counted.
+        (
+            [(P, 1152, {"do_remote_prefill": True})],
+            _moved(0, 0, P, P - 1),
+            False,
+            True,
+        ),
+    ],
+    ids=["plain", "offload", "pd-prefill", "pd-decode", "pd-decode-no-caching"],
+)
+def test_counter_rule(entries, moved, caching, connector):
+    ledger = Ledger()
+    for prompt, cached, params in entries:
+        ledger = ledger + ledger_entry(prompt, cached, params)
+    assert counter_problems("s", moved, ledger, caching, connector) == []
+    # One token more of anything is a disagreement.
+    for key in moved:
+        wrong = {**moved, key: moved[key] + 1}
+        if key == EXTERNAL_QUERIES and not connector:
+            continue
+        assert counter_problems("s", wrong, ledger, caching, connector), key
+
+
+def test_counter_rule_catches_over_reported_usage():
+    ledger = ledger_entry(P, 1152 + 64, None)
+    problems = counter_problems("serve", _moved(P, 1152), ledger, True, False)
+    assert len(problems) == 1 and "usage and the server's own counters" in problems[0]
+
+
+def test_expected_requests_route_the_recompute_to_the_decoder():
+    turns = [SimpleNamespace(recompute=object()) for _ in range(4)]
+    cold = [SimpleNamespace(recompute=None), *turns[:1]]
+    assert expected_requests(1, turns) == [8]
+    assert expected_requests(2, turns) == [4, 8]
+    assert expected_requests(2, cold) == [2, 3]
 
 
 @pytest.mark.parametrize(
@@ -108,6 +316,11 @@ def test_server_args_order():
     binding = Binding(model="m", base_args=("--a",), token_ids=(2, 10))
     args = server_args(binding, Instance(), Mode(prefix_match_unit=16))
     assert args == ["--a", "--enable-prefix-caching", "--prefix-match-unit", "16"]
+    # No prefix match unit for an instance that does not cache prefixes.
+    args = server_args(
+        binding, Instance(prefix_caching=False), Mode(prefix_match_unit=16)
+    )
+    assert args == ["--a", "--no-enable-prefix-caching"]
 
 
 def test_units_from_cache_config():
