@@ -252,8 +252,12 @@ class Binding:
     ``logprob_atol`` bounds the difference between the sampled tokens'
     logprobs of a cache hit and of its recompute when requests run one at a
     time, ``batched_logprob_atol`` when they are batched with other
-    conversations; None where no tolerance has been measured on the platform
-    (``check_logprobs_close`` still applies). ``concurrent_start`` starts a
+    conversations, ``pd_logprob_atol`` under P/D, where the hit takes the
+    P/D path and the recompute runs on the decoder alone: the prefiller
+    computes all but the last prompt token and the decoder that one, so the
+    two are not bit-identical even without a hit. None where no tolerance
+    has been measured on the platform (``check_logprobs_close`` still
+    applies). ``concurrent_start`` starts a
     deployment's instances at once instead of one after another.
     """
 
@@ -264,6 +268,7 @@ class Binding:
     startup_timeout: float = 600.0
     logprob_atol: float | None = 0.0
     batched_logprob_atol: float | None = None
+    pd_logprob_atol: float | None = None
     # The variable that gives a P/D instance its own devices, or None where
     # instances share the machine (the CPU backend).
     visible_devices_env: str | None = "CUDA_VISIBLE_DEVICES"
@@ -1665,9 +1670,10 @@ def serve_case(
         # cache: the prefiller under P/D.
         record.units = Units.from_cache_config(cache_config(servers[0]), mode)
         window = open_window(servers)
-        yield Play(
-            servers, binding, deployment, mode, record.units, binding.logprob_atol
-        )
+        atol = binding.logprob_atol
+        if deployment.prefill is not None:
+            atol = binding.pd_logprob_atol
+        yield Play(servers, binding, deployment, mode, record.units, atol)
         record.metrics, problems, notices = close_window(window, mode, record.turns)
         record.problems += problems
         record.notices += notices
