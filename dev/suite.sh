@@ -6,6 +6,10 @@
 #   dev/suite.sh all        ruff (check and format --check, vLLM's settings)
 #                           on our files, then every test of this project:
 #                           dev/tests (provisioning), then the overlaid tests
+#   dev/suite.sh scheduler  the scheduler tier alone: every cell's expected
+#                           hits and counter rule replayed through vLLM's own
+#                           scheduler in-process (test_scheduler_conformance.py;
+#                           seconds, no server, no NIXL install)
 #   dev/suite.sh benchmark  the CPU tier's lifecycle benchmark
 #                           (dev/benchmark_cpu_tier.py; not a test)
 #
@@ -16,6 +20,7 @@ set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 MAIN_TESTS=(tests/models/hybrid_prefix_cache/test_cpu_tier.py)
+SCHEDULER_TESTS=(tests/models/hybrid_prefix_cache/test_scheduler_conformance.py)
 ALL_TESTS=(
     tests/models/hybrid_prefix_cache
     tests/models/kimi_k3/test_prefix_cache.py
@@ -30,8 +35,8 @@ die() {
 
 job=${1:-}
 case "$job" in
-    cpu-tier | all | benchmark) shift ;;
-    *) die "usage: dev/suite.sh cpu-tier|all|benchmark [args...]" ;;
+    cpu-tier | all | scheduler | benchmark) shift ;;
+    *) die "usage: dev/suite.sh cpu-tier|all|scheduler|benchmark [args...]" ;;
 esac
 
 env_lines=$("$REPO/dev/provision.sh") || exit
@@ -84,9 +89,11 @@ cd "$CHECKOUT"
 
 # The CPU-capable NIXL, installed by the script CI uses: the P/D cases need
 # it (they fail, not skip, without it). `all` runs it twice, since it must be
-# idempotent; test_prefix_cache_ci.py checks that it imports.
+# idempotent; test_prefix_cache_ci.py checks that it imports. The scheduler
+# tier builds only the connectors' scheduler sides, which need no NIXL.
 runs=1
 [ "$job" = all ] && runs=2
+[ "$job" = scheduler ] && runs=0
 for run in $(seq "$runs"); do
     echo "suite: install-kv-connectors.sh, run $run"
     bash "$CHECKOUT/.buildkite/scripts/install-kv-connectors.sh"
@@ -108,6 +115,8 @@ if [ "$job" = all ]; then
     echo "suite: the provisioning tests (dev/tests)"
     (cd "$REPO" && python -m pytest -v -rA -p no:cacheprovider dev/tests)
     tests=("${ALL_TESTS[@]}")
+elif [ "$job" = scheduler ]; then
+    tests=("${SCHEDULER_TESTS[@]}")
 else
     tests=("${MAIN_TESTS[@]}")
 fi

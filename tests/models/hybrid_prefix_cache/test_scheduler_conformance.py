@@ -1,0 +1,383 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Every cell's expectations, checked against vLLM's own scheduler in seconds.
+
+The end-to-end tiers hold each turn's hit to the harness's reading of vLLM
+(``harness.expectation``) and each server's counters to the harness's counter
+rule (``harness.counter_problems``). This tier replays the same conversations
+through vLLM's real scheduling objects in-process (``scheduler_replay.py``:
+the real ``Scheduler`` and ``KVCacheManager``, the real scheduler side of
+each KV connector, stand-in workers) and requires, per turn, vLLM's hit to
+EQUAL the expected hit (and to respect the bound), the recompute to hit
+nothing, and, per server, the counters that vLLM's own ``PrefixCacheStats``
+move to obey the counter rule. It covers:
+
+* every cell of the Kimi-K3 matrix (``kimi.DEPLOYMENTS`` x ``kimi.MODES``)
+  and its exact resends, with the B200 geometry stated in
+  :data:`KIMI_BLOCKS` (the GPU tier cannot run here); its Mooncake resend is
+  listed and skips, naming what it would need;
+* every case of the CPU tier (``test_cpu_tier.CASES``: deployments x modes,
+  the tail sweep, the concurrent conversations), with the geometry vLLM
+  resolves for the tiny model on this machine.
+
+No server is started and no device is needed.
+"""
+
+from collections.abc import Sequence
+from math import lcm
+from pathlib import Path
+
+import pytest
+
+from tests.models.hybrid_prefix_cache import harness
+from tests.models.hybrid_prefix_cache import scheduler_replay as replay
+from tests.models.hybrid_prefix_cache import test_cpu_tier as cpu
+from tests.models.hybrid_prefix_cache.tiny_hybrid import (
+    TinyHybrid,
+    write_tiny_hybrid,
+)
+from tests.models.kimi_k3 import test_prefix_cache as kimi
+
+# Only scheduler-side objects are built: no distributed state or device
+# memory for tests/conftest.py's per-test cleanup (a full gc.collect each)
+# to free.
+pytestmark = pytest.mark.skip_global_cleanup
+
+# --- Kimi-K3 on B200 -------------------------------------------------------------
+
+# cache_config.block_size of a Kimi-K3 instance on B200 by (TP size, whether
+# it drafts with DSpark); in Mamba "align" mode the Mamba (KDA) block equals
+# it (Platform._align_hybrid_block_size), and under DCP the MLA block holds
+# block * dcp tokens (resolve_dcp_kv_block_size). _align_hybrid_block_size
+# picks the smallest block whose MLA page (one latent head whatever the TP or
+# DCP size) holds the per-rank KDA state, and that state's shape depends only
+# on the TP size and the drafter's token count (KimiLinearForCausalLM.
+# get_mamba_state_shape_from_config, MambaStateShapeCalculator.
+# kda_state_shape): not on the prefix match unit, the connector or DCP.
+# Seen on B200:
+KIMI_BLOCKS = {
+    # The plain-block turn table: first prompt 17317 = 3 * 5760 + 37, and
+    # turn 1 expected 17280.
+    (1, False): 5760,
+    # Upstream's test comments (tests/models/kimi_k3/test_prefix_cache.py in
+    # the 0.32.0 sdist: "Blocks=6144, PMU=128") and the pd-offload-partial-
+    # dspark turn table: first prompt 18469 = 3 * 6144 + 37.
+    (1, True): 6144,
+    # The dcp2-offload-partial turn table (TP2, DCP2): first prompt
+    # 8869 = 3 * 2944 + 37. Also the TP2 prefiller of pd-tp2-dep2 (TP2
+    # without DCP), whose block was not seen itself but has the same inputs.
+    (2, False): 2944,
+}
+# What the GPU servers run with that the scheduler reads: vLLM's default
+# --max-num-batched-tokens for the API server on a GPU of 160 GB or more
+# (EngineArgs.get_batch_defaults: B200, MI355), the matrix's --max-num-seqs,
+# asynchronous scheduling (vLLM's default on CUDA with DSpark or without a
+# drafter), a context longer than any prompt here, and enough blocks that
+# nothing is evicted (as on a B200).
+KIMI_SETTINGS = {
+    "max_model_len": 32768,
+    "max_num_batched_tokens": 16384,
+    "max_num_seqs": 8,
+    "async_scheduling": True,
+    "num_blocks": 2048,
+}
+# Kimi-K3's KDA prefill saves the prompt's checkpoint inside the last chunk
+# with FlashKDA (alignment 16) and needs a chunk split for it with the Triton
+# prefill (no internal checkpoint): kda_prefill_checkpoint_alignment. Which
+# one a B200 picks depends on the installed kernels, so every Kimi cell is
+# replayed with both and must agree with the harness with both.
+KDA_CHECKPOINTS = {"flashkda": 16, "triton": None}
+
+
+def kimi_geometry(instance: harness.Instance, mode: harness.Mode) -> int | str:
+    """The stated block of ``instance`` in ``mode``, or why there is none."""
+    dspark = mode.spec is not None
+    block = KIMI_BLOCKS.get((instance.tp, dspark))
+    if block is not None:
+        return block
+    what = f"TP{instance.tp}" + (f" with DCP{instance.dcp}" if instance.dcp > 1 else "")
+    return (
+        f"no B200 geometry for a Kimi-K3 instance at {what}"
+        f"{' drafting with DSpark' if dspark else ''}: its cache block (the "
+        f"smallest whose MLA page holds the per-rank KDA state) was never "
+        f"observed; a B200 turn table of such a cell gives it (first prompt = "
+        f"3 * block + 37): add it to KIMI_BLOCKS"
+    )
+
+
+def kimi_engines(
+    model: Path,
+    deployment: harness.Deployment,
+    mode: harness.Mode,
+    kda_checkpoint: int | None,
+) -> list[replay.Engine]:
+    engines = []
+    for instance in deployment.instances:
+        block = kimi_geometry(instance, mode)
+        if isinstance(block, str):
+            pytest.skip(block)
+        geometry = replay.StatedGeometry(block, kda_checkpoint)
+        engines.append(
+            replay.stated_engine(str(model), geometry, instance, mode, **KIMI_SETTINGS)
+        )
+    return engines
+
+
+# --- the CPU tier ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> TinyHybrid:
+    """The CPU tier's model, written once; also the stand-in ModelConfig of
+    the Kimi-K3 scheduler (its checkpoint is not here)."""
+    return write_tiny_hybrid(tmp_path_factory.mktemp("tiny-hybrid"))
+
+
+@pytest.fixture(scope="module")
+def cpu_binding(tiny_model: TinyHybrid) -> harness.Binding:
+    return cpu.cpu_binding(tiny_model)
+
+
+def cpu_engines(
+    binding: harness.Binding, deployment: harness.Deployment, mode: harness.Mode
+) -> list[replay.Engine]:
+    """Each server's engine, from exactly the arguments and environment the
+    CPU tier starts it with (harness.server_specs); a configuration that
+    vLLM refuses in-process, as the server does, skips with the CPU tier's
+    own reason."""
+    engines = []
+    for spec in harness.server_specs(binding, deployment, mode):
+        try:
+            engines.append(replay.cpu_engine(spec.model, spec.args, dict(spec.env)))
+        except Exception as e:
+            unsupported = [
+                known
+                for known in cpu.KNOWN.values()
+                if known.kind == "unsupported" and known.evidence in str(e)
+            ]
+            if not unsupported:
+                raise
+            pytest.skip(
+                f"vLLM refuses this configuration in-process as its server "
+                f"does ({unsupported[0].reason}; confirmed: "
+                f"{unsupported[0].evidence!r})"
+            )
+    return engines
+
+
+# --- the checks ------------------------------------------------------------------
+
+
+def check_geometry(engine: replay.Engine, mode: harness.Mode) -> harness.Units:
+    """The harness's reading of the server's cache_config_info labels must
+    give the hit unit the engine aligns hits to."""
+    units = replay.units_of(engine, mode)
+    geometry = engine.geometry
+    assert units.hit == engine.hit_unit, (
+        f"the harness reads hit unit {units.hit} from block_size="
+        f"{geometry.attention_block}, mamba_block_size={geometry.mamba_block}, "
+        f"prefix_match_unit={mode.prefix_match_unit}, but vLLM aligns hits to "
+        f"{engine.hit_unit} (cache_hit_alignment_tokens)"
+    )
+    return units
+
+
+def turn_problems(
+    results: Sequence[replay.TurnResult],
+    units: harness.Units,
+    mode: harness.Mode,
+    deployment: harness.Deployment,
+) -> tuple[list[str], list[str]]:
+    """(the turn table, every way a turn disagrees with the harness)."""
+    backoff = deployment.cache_backoff
+    rows = [
+        f"{'conversation':<14} {'turn':>6} {'prompt':>6} {'vLLM hit':>8} "
+        f"{'expected':>8} {'bound':>6} {'recompute':>9}"
+    ]
+    problems = []
+    for result in results:
+        turn = result.planned
+        expected, bound = harness.expectation(turn, units.hit, mode.drops_unit, backoff)
+        what = "resend" if turn.resend else f"turn {turn.index}"
+        name = f"{result.conversation} {what}".strip()
+        rows.append(
+            f"{result.conversation or '-':<14} "
+            f"{'resend' if turn.resend else turn.index:>6} {turn.prompt_len:>6} "
+            f"{result.hit:>8} {expected:>8} {bound:>6} "
+            f"{'-' if result.recompute_hit is None else result.recompute_hit:>9}"
+        )
+        if result.hit != expected:
+            problems.append(
+                f"{name}: vLLM's scheduler hits {result.hit}, the harness expects "
+                f"{expected} (prompt {turn.prompt_len}, previous {turn.prev_len}, "
+                f"hit unit {units.hit}, drafter drops a unit: {mode.drops_unit}, "
+                f"backoff {backoff})"
+            )
+        prev_seen = max(turn.prev_len - backoff, 0)
+        why = harness.impossible_hit(
+            result.hit, prev_seen, turn.prompt_len - backoff, units.hit
+        )
+        if why or result.hit > bound:
+            problems.append(f"{name}: beyond the harness's bound {bound}: {why}")
+        if result.recompute_hit not in (None, 0):
+            problems.append(
+                f"{name}: the recompute under a fresh salt hit {result.recompute_hit}"
+            )
+    return rows, problems
+
+
+def check_case(
+    case_id: str,
+    servers: Sequence[replay.ReplayServer],
+    results: Sequence[replay.TurnResult],
+    units: harness.Units,
+    mode: harness.Mode,
+    deployment: harness.Deployment,
+) -> None:
+    rows, problems = turn_problems(results, units, mode, deployment)
+    turns = []
+    for result in results:
+        turn = harness.Turn(
+            result.conversation, result.planned.index, result.planned.prompt_len, 0, 0
+        )
+        if result.recompute_hit is not None:
+            # Only whether there was one matters to expected_requests.
+            turn.recompute = harness.Sample([], "", [], [], 0, 0)
+        turns.append(turn)
+    routes = harness.expected_requests(len(servers), turns)
+    for server, route in zip(servers, routes):
+        problems += server.counter_problems()
+        if server.ledger.requests != route:
+            problems.append(
+                f"{server.name} server answered {server.ledger.requests} "
+                f"completions, the harness routes {route} to it"
+            )
+    table = "\n".join(rows)
+    counters = "\n".join(
+        f"{server.name}: {server.ledger} moved {server.moved}" for server in servers
+    )
+    print(f"\n== {case_id}: hit unit {units.hit}, block {units.block}\n{table}")
+    assert not problems, (
+        f"{case_id}:\n" + "\n".join(problems) + f"\n{table}\n{counters}"
+    )
+
+
+# --- Kimi-K3 -----------------------------------------------------------------------
+
+
+def _kimi_params() -> list:
+    return [
+        pytest.param(name, mode_name, id=f"{name}-{mode_name}")
+        for name in kimi.DEPLOYMENTS
+        for mode_name in kimi.MODES
+    ]
+
+
+@pytest.mark.parametrize(("deployment_name", "mode_name"), _kimi_params())
+def test_kimi_cell(tiny_model, deployment_name: str, mode_name: str) -> None:
+    deployment = kimi.DEPLOYMENTS[deployment_name]
+    mode = kimi.MODES[mode_name]
+    case_id = f"{deployment_name}-{mode_name}"
+    for kda, alignment in KDA_CHECKPOINTS.items():
+        engines = kimi_engines(tiny_model.path, deployment, mode, alignment)
+        units = check_geometry(engines[0], mode)
+        servers = replay.servers_for(engines, deployment, kimi.BINDING.token_ids)
+        conversation = harness.reference_conversation(units, case_id)
+        results = replay.play_conversations(
+            servers, deployment, [conversation], kimi.BINDING.token_ids
+        )
+        check_case(f"{case_id} ({kda})", servers, results, units, mode, deployment)
+
+
+@pytest.mark.parametrize("prompt_len", kimi.RESEND_LENGTHS, ids=lambda n: f"resend-{n}")
+def test_kimi_resend(tiny_model, prompt_len: int) -> None:
+    """kimi.test_exact_resend: cold, then the resend, which hits the prompt's
+    own checkpoint (harness.expected_resend)."""
+    deployment = kimi.DEPLOYMENTS["plain"]
+    mode = kimi.MODES[kimi.RESEND_MODE]
+    case_id = f"plain-{kimi.RESEND_MODE}-resend-{prompt_len}"
+    for kda, alignment in KDA_CHECKPOINTS.items():
+        engines = kimi_engines(tiny_model.path, deployment, mode, alignment)
+        units = check_geometry(engines[0], mode)
+        servers = replay.servers_for(engines, deployment, kimi.BINDING.token_ids)
+        results = replay.play_resend(
+            servers, deployment, prompt_len, case_id, kimi.BINDING.token_ids
+        )
+        resend = results[-1]
+        expected = harness.expected_resend(prompt_len, units.hit, mode.drops_unit)
+        assert resend.hit == expected, (
+            f"{case_id} ({kda}): vLLM's scheduler hits {resend.hit} on the "
+            f"resend, harness.expected_resend gives {expected}"
+        )
+        check_case(f"{case_id} ({kda})", servers, results, units, mode, deployment)
+
+
+def test_kimi_mooncake_resend() -> None:
+    """kimi.test_mooncake_store_resend (MOONCAKE_DEPLOYMENT, 7449 tokens)."""
+    connector = kimi.MOONCAKE_DEPLOYMENT.decode.kv_config["kv_connector"]
+    pytest.skip(
+        f"{connector}'s hit is its worker's lookup in a MooncakeDistributedStore: "
+        f"the scheduler side asks the worker over ZMQ (LookupKeyClient, "
+        f"mooncake/store/scheduler.py) and the worker (MooncakeStoreWorker) "
+        f"needs the Mooncake transfer engine and a master; no stand-in for "
+        f"the store here (resend of {kimi.MOONCAKE_RESEND_LENGTH} tokens "
+        f"unchecked)"
+    )
+
+
+# --- the CPU tier --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case_id", list(cpu.CASES))
+def test_cpu_case(cpu_binding: harness.Binding, case_id: str) -> None:
+    case = cpu.CASES[case_id]
+    deployment = cpu.DEPLOYMENTS[case.deployment]
+    mode = cpu.MODES[case.mode]
+    engines = cpu_engines(cpu_binding, deployment, mode)
+    units = check_geometry(engines[0], mode)
+    if case.shape is not None:
+        shapes: Sequence[str] = (case.shape,)
+    else:
+        shapes = cpu.concurrent_shapes(case)
+    conversations = [
+        harness.Conversation(shape, length, f"{case_id}-{shape}")
+        for shape in shapes
+        if (length := harness.shape_length(shape, units)) is not None
+    ]
+    if shapes and not conversations:
+        pytest.skip(
+            f"shapes {list(shapes)} need a hit unit below the block; vLLM "
+            f"resolves hit unit {units.hit}, block {units.block}"
+        )
+    if not shapes:
+        conversations = [harness.reference_conversation(units, case_id)]
+    servers = replay.servers_for(engines, deployment, cpu_binding.token_ids)
+    results = replay.play_conversations(
+        servers,
+        deployment,
+        conversations,
+        cpu_binding.token_ids,
+        concurrent=case.concurrent,
+    )
+    check_case(case_id, servers, results, units, mode, deployment)
+
+
+def test_cpu_geometry(tiny_model: TinyHybrid) -> None:
+    """scheduler_replay.cpu_geometry, which the CPU tier can hold against a
+    real server's vllm:cache_config_info: the plain deployment's blocks do
+    not depend on the mode, and hits land on the mode's prefix match unit
+    where it is below the Mamba block, else on the scheduler block."""
+    geometries = {
+        name: replay.cpu_geometry(tiny_model.path, mode)
+        for name, mode in cpu.MODES.items()
+    }
+    blocks = {(g.attention_block, g.mamba_block) for g in geometries.values()}
+    assert len(blocks) == 1, geometries
+    for name, geometry in geometries.items():
+        unit = cpu.MODES[name].prefix_match_unit
+        partial = unit is not None and unit < geometry.mamba_block
+        expected = unit if partial else geometry.scheduler_block
+        assert geometry.hit_unit == expected, (name, geometry)
+        assert geometry.scheduler_block == lcm(
+            geometry.attention_block, geometry.mamba_block
+        ), (name, geometry)
