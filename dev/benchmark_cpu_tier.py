@@ -51,10 +51,9 @@ def _matrix_starts() -> tuple[int, int]:
     (consecutive cases with equal servers share them)."""
     without = with_reuse = 0
     previous = None
-    for case in tier.CASES.values():
-        known = tier.KNOWN.get(case.cell)
+    for case_id, case in tier.CASES.items():
         deployment = tier.DEPLOYMENTS[case.deployment]
-        if known is not None and known.kind == "unsupported":
+        if any(k.kind == "unsupported" for k in tier.known_entries(case_id)):
             continue
         if tier._ranks(deployment) > tier.CORES:
             continue

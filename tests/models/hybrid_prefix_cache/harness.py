@@ -282,45 +282,81 @@ class Known:
     ``kind`` is "xfail" for a vLLM bug (the cell runs, must fail with
     ``evidence``, and fails loudly if it passes) or "unsupported" for a
     feature the platform does not implement (the server must refuse with
-    ``evidence``; the cell then skips with ``reason``).
+    ``evidence``; the cell then skips with ``reason``). ``geometry`` is the
+    (block, hit unit) its servers reported where the failure was seen, for a
+    failure that depends on it; None where it does not.
     """
 
     kind: str
     reason: str
     evidence: str
+    geometry: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("xfail", "unsupported"):
             raise ValueError(f"unknown kind of known failure: {self.kind!r}")
 
+    def applies(self, units: "Units | None") -> bool:
+        if self.geometry is None:
+            return True
+        return units is not None and (units.block, units.hit) == self.geometry
+
+
+def select_known(entries: Sequence[Known], units: "Units | None") -> Known | None:
+    """The entry of ``entries`` that applies where the case's servers
+    reported ``units`` (None: no server answered), if any."""
+    found = [known for known in entries if known.applies(units)]
+    if len(found) > 1:
+        raise ValueError(f"several known failures apply at {units}: {found}")
+    return found[0] if found else None
+
+
+@dataclass
+class KnownRun:
+    """What :func:`expect_known` needs of the case it wraps: its record,
+    which holds the geometry its servers reported."""
+
+    record: "CaseRecord | None" = None  # defined below
+
 
 @contextlib.contextmanager
-def expect_known(case_id: str, known: Known | None) -> Iterator[None]:
-    """Run a cell under its known-failure entry, if it has one.
+def expect_known(
+    case_id: str, known: Known | Sequence[Known] | None
+) -> Iterator[KnownRun]:
+    """Run a cell under the known-failure entry that applies to it, if any.
 
     A listed cell must fail, and its failure (message or the failing
     server's log) must contain the entry's evidence; otherwise the table is
-    stale and the cell fails. Unlisted cells run as they are.
+    stale and the cell fails. Unlisted cells run as they are. An entry with a
+    geometry applies only where the case's servers reported it: the body sets
+    ``run.record`` to what :func:`run_case` returns, and a failing case
+    carries its record on the exception.
     """
-    if known is None:
-        yield
-        return
+    entries = () if known is None else (known,) if isinstance(known, Known) else known
+    run = KnownRun()
     try:
-        yield
+        yield run
     except Exception as e:
+        record = getattr(e, "case_record", None)
+        entry = select_known(entries, record.units if record else None)
+        if entry is None:
+            raise
         text = str(e)
-        if known.evidence not in text + getattr(e, "log", ""):
+        if entry.evidence not in text + getattr(e, "log", ""):
             raise AssertionError(
-                f"{case_id} is listed as {known.kind} ({known.reason}) and "
-                f"failed, but without {known.evidence!r}: update the table.\n"
+                f"{case_id} is listed as {entry.kind} ({entry.reason}) and "
+                f"failed, but without {entry.evidence!r}: update the table.\n"
                 f"{text}"
             ) from e
-        if known.kind == "unsupported":
-            pytest.skip(f"{known.reason} (confirmed: {known.evidence!r})")
-        pytest.xfail(f"{known.reason} (seen: {known.evidence!r})")
+        if entry.kind == "unsupported":
+            pytest.skip(f"{entry.reason} (confirmed: {entry.evidence!r})")
+        pytest.xfail(f"{entry.reason} (seen: {entry.evidence!r})")
+    entry = select_known(entries, run.record.units if run.record else None)
+    if entry is None:
+        return
     pytest.fail(
-        f"[XPASS(strict)] {case_id} is listed as {known.kind} "
-        f"({known.reason}) but passed: remove it from the table",
+        f"[XPASS(strict)] {case_id} is listed as {entry.kind} "
+        f"({entry.reason}) but passed: remove it from the table",
         pytrace=False,
     )
 
@@ -1630,6 +1666,7 @@ def reported_case(case_id: str) -> Iterator[CaseRecord]:
             record.outcome = "xfail"
         else:
             record.outcome = f"error: {type(e).__name__}"
+            e.case_record = record  # for expect_known
         raise
     finally:
         record.seconds = time.monotonic() - start
@@ -1645,7 +1682,10 @@ def reported_case(case_id: str) -> Iterator[CaseRecord]:
         SUMMARY.append(record)
         path = report_folder() / f"{case_id}.json"
         path.write_text(json.dumps(record.as_json(), indent=1))
-    assert not problems, f"{case_id}:\n" + "\n".join(problems)
+    if problems:
+        failure = AssertionError(f"{case_id}:\n" + "\n".join(problems))
+        failure.case_record = record  # for expect_known
+        raise failure
 
 
 @contextlib.contextmanager
@@ -1692,7 +1732,7 @@ def run_case(
     shapes: Sequence[str] = (),
     concurrent: bool = False,
     pool: ServerPool = POOL,
-) -> None:
+) -> CaseRecord:
     """Serve ``deployment`` in ``mode`` and check its conversations: the
     reference one, or one per sweep shape in ``shapes``, played one after
     another or (``concurrent``) all at once.
@@ -1720,6 +1760,7 @@ def run_case(
         if concurrent:
             play.logprob_atol = binding.batched_logprob_atol
         run_conversations(play, conversations, record.turns, concurrent)
+    return record
 
 
 def run_resend(
@@ -1729,7 +1770,7 @@ def run_resend(
     mode: Mode,
     prompt_len: int,
     pool: ServerPool = POOL,
-) -> None:
+) -> CaseRecord:
     """Send one prompt cold, resend it, and recompute it under a fresh salt.
 
     The cold request and the recompute hit nothing; the resend hits at least
@@ -1752,3 +1793,4 @@ def run_resend(
         resend = planned_turn(play, "", PlannedTurn(1, prompt_len, prompt_len, True))
         record.turns.append(resend)
         play_turn(play, resend, prompt, salt)
+    return record

