@@ -26,6 +26,7 @@ from tests.models.hybrid_prefix_cache.harness import (
     Instance,
     Known,
     Mode,
+    Units,
     expect_known,
     run_case,
 )
@@ -289,20 +290,27 @@ def _fails_everywhere(entries: tuple[Known, ...]) -> bool:
 
 
 def known_entries(case_id: str) -> tuple[Known, ...]:
-    """The known failures of a case: its own, its cell's, and for a
-    concurrent case those of the shapes it plays (each with its geometry)."""
+    """The known failures of a case: its own, or its cell's; a concurrent
+    case, per geometry, those of the shapes it plays (the first one's
+    evidence: each shape fails in it as it does alone)."""
     case = CASES[case_id]
     entries = KNOWN.get(case_id, KNOWN.get(case.cell, ()))
-    if case.concurrent:
-        entries += tuple(
+    if not case.concurrent:
+        return entries
+    by_geometry: dict[tuple[int, int] | None, list[tuple[str, Known]]] = {}
+    for shape in concurrent_shapes(case):
+        for known in KNOWN.get(f"{case.cell}-{shape}", ()):
+            by_geometry.setdefault(known.geometry, []).append((shape, known))
+    for geometry, found in by_geometry.items():
+        shapes = ", ".join(shape for shape, _ in found)
+        first = found[0][1]
+        entries += (
             Known(
-                known.kind,
-                f"plays {shape}, which fails on its own: {known.reason}",
-                known.evidence,
-                known.geometry,
-            )
-            for shape in concurrent_shapes(case)
-            for known in KNOWN.get(f"{case.cell}-{shape}", ())
+                first.kind,
+                f"plays {shapes}, which fail on their own: {first.reason}",
+                first.evidence,
+                geometry,
+            ),
         )
     return entries
 
@@ -403,3 +411,22 @@ def test_prefix_cache(binding: Binding, case_id: str) -> None:
         if unsupported:
             _REFUSED[case.deployment] = case_id
         raise
+    if case_id in GEOMETRY_CHECKED:
+        check_geometry(binding, case, run.record)
+
+
+# The geometry that the scheduler tier resolves in-process for this model
+# must be what a real server reports; held on the reference case of each mode
+# of the plain deployment.
+GEOMETRY_CHECKED = ("plain-block", "plain-partial")
+
+
+def check_geometry(binding: Binding, case: Case, record) -> None:
+    from tests.models.hybrid_prefix_cache.scheduler_replay import cpu_geometry
+
+    geometry = cpu_geometry(binding.model, MODES[case.mode])
+    resolved = Units(block=geometry.scheduler_block, hit=geometry.hit_unit)
+    assert record.units == resolved, (
+        f"the server reports {record.units} in vllm:cache_config_info, vLLM "
+        f"resolves {geometry} in-process (scheduler_replay.cpu_geometry)"
+    )
