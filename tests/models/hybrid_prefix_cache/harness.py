@@ -1502,7 +1502,9 @@ def close_window(
         ledger = _ledger(server) - window.ledgers[index]
         before = window.counters[index]
 
-        def check(now: dict, before=before, name=name, ledger=ledger) -> list[str]:
+        def check(
+            now: dict, before=before, name=name, ledger=ledger, spec=spec, index=index
+        ) -> list[str]:
             moved = {key: _delta(now[key], before[key]) for key in now}
             found = counter_problems(
                 name,

@@ -234,4 +234,4 @@ def test_mooncake_settings_follow_upstream():
     extra = kimi.MOONCAKE_STORE["kv_connector_extra_config"]
     assert extra["enable_cross_layers_blocks"] is False
     assert kimi.MOONCAKE_LEASE_TTL_MS == 60_000
-    assert kimi.MOONCAKE_ENV == {"MC_MAX_MR_SIZE": str(4 << 30)}
+    assert {"MC_MAX_MR_SIZE": str(4 << 30)} == kimi.MOONCAKE_ENV
