@@ -54,6 +54,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.models.hybrid_prefix_cache.reproducer import serve_info, update_reproducer
 from tests.models.utils import check_logprobs_close
 from tests.utils import RemoteOpenAIServer, _sanitize_pythonpath_env
 from vllm.utils.network_utils import get_open_port
@@ -1182,6 +1183,9 @@ class Turn:
     seconds: float = 0.0
     problems: list[str] = field(default_factory=list)
     notices: list[str] = field(default_factory=list)
+    # As played, for the record and a failing case's reproducer.
+    prompt: list[int] = field(default_factory=list, repr=False)
+    salt: str = ""
 
     @property
     def name(self) -> str:
@@ -1360,6 +1364,7 @@ class Play:
 def play_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
     """Send ``prompt`` under ``salt`` (after the offload reset, if any) and
     again under a fresh salt, then check the turn."""
+    turn.prompt, turn.salt = list(prompt), salt
     start = time.monotonic()
     servers, model = play.servers, play.binding.model
     if play.deployment.offload:
@@ -1595,6 +1600,7 @@ class CaseRecord:
     reused: bool | None = None  # None: no servers (their start failed)
     seconds: float = 0.0
     outcome: str = ""
+    play: Play | None = field(default=None, repr=False)  # for the reproducer
 
     def as_json(self) -> dict:
         def sample(s: Sample | None) -> dict | None:
@@ -1634,12 +1640,17 @@ class CaseRecord:
                     "recompute": sample(t.recompute),
                     "problems": t.problems,
                     "notices": t.notices,
+                    "salt": t.salt,
+                    "prompt": t.prompt,
                 }
                 for t in self.turns
             ],
             "metrics_deltas": self.metrics,
             "problems": self.problems,
             "notices": self.notices,
+            "serve": serve_info(
+                self.play, MAX_TOKENS, NUM_LOGPROBS, PREFILL_KV_TRANSFER_PARAMS
+            ),
         }
 
 
@@ -1683,7 +1694,9 @@ def reported_case(case_id: str) -> Iterator[CaseRecord]:
             print(f"problem: {problem}")
         SUMMARY.append(record)
         path = report_folder() / f"{case_id}.json"
-        path.write_text(json.dumps(record.as_json(), indent=1))
+        data = record.as_json()
+        path.write_text(json.dumps(data, indent=1))
+        update_reproducer(data, report_folder())  # <case_id>.repro.py on FAIL
     if problems:
         failure = AssertionError(f"{case_id}:\n" + "\n".join(problems))
         failure.case_record = record  # for expect_known
@@ -1715,7 +1728,8 @@ def serve_case(
         atol = binding.logprob_atol
         if deployment.prefill is not None:
             atol = binding.pd_logprob_atol
-        yield Play(servers, binding, deployment, mode, record.units, atol)
+        record.play = Play(servers, binding, deployment, mode, record.units, atol)
+        yield record.play
         record.metrics, problems, notices = close_window(window, mode, record.turns)
         record.problems += problems
         record.notices += notices
@@ -1785,7 +1799,7 @@ def run_resend(
     ):
         prompt = random_tokens(random.Random(case_id), binding.token_ids, prompt_len)
         salt = f"resend-{uuid.uuid4().hex}"
-        cold = Turn("", 0, prompt_len, 0, 0)
+        cold = Turn("", 0, prompt_len, 0, 0, prompt=prompt, salt=salt)
         record.turns.append(cold)
         cold.output = send(play.servers, binding.model, prompt, salt, cold.problems)
         if cold.output.cached_tokens != 0:

@@ -11,8 +11,14 @@ uniform in +-1e-3, which makes the recurrent state numerically invisible (a
 zeroed state on every prefix hit left the logprobs bit-identical). The
 weights here come from the model's own initializer under a fixed seed and
 go through vLLM's normal safetensors loader.
+
+Run from a vLLM checkout with this suite's tests/ laid over it, it writes the
+model into a folder of your choice (a failing case's reproducer names it):
+
+    python -m tests.models.hybrid_prefix_cache.tiny_hybrid OUT_DIR
 """
 
+import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +31,9 @@ SEED = 1234
 SPECIAL_TOKENS = ("<unk>", "<|endoftext|>")
 FIRST_WORD_ID = len(SPECIAL_TOKENS)
 VOCAB_SIZE = 2048
+# A file in every model written here, by which a reproducer knows the model
+# (reproducer.TINY_MODEL_MARKER).
+MARKER = "hybrid-prefix-cache-tiny-model.txt"
 
 
 @dataclass(frozen=True)
@@ -106,4 +115,22 @@ def write_tiny_hybrid(path: Path) -> TinyHybrid:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True)
     _write_tokenizer(path)
+    (path / MARKER).write_text(
+        f"The hybrid prefix-cache suite's tiny model (seed {SEED}), written by\n"
+        f"python -m tests.models.hybrid_prefix_cache.tiny_hybrid OUT_DIR\n"
+    )
     return TinyHybrid(path=path, first_word_id=FIRST_WORD_ID, vocab_size=VOCAB_SIZE)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.models.hybrid_prefix_cache.tiny_hybrid",
+        description="Write the tiny Qwen3-Next hybrid model of the CPU tier.",
+    )
+    parser.add_argument("out_dir", type=Path, help="the folder to write it into")
+    model = write_tiny_hybrid(parser.parse_args(argv).out_dir)
+    print(f"wrote {model.path.resolve()}: serve it with vllm serve {model.path}")
+
+
+if __name__ == "__main__":
+    main()
