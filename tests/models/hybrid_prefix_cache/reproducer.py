@@ -313,7 +313,8 @@ def post(url, path, body=None, params=None):
     except requests.RequestException as e:
         sys.exit(f"{url} did not answer {path}: {type(e).__name__}: {e}")
     if response.status_code != 200:
-        sys.exit(f"{url}/{path} answered {response.status_code}: {response.text[:2000]}")
+        text = response.text[:2000]
+        sys.exit(f"{url}/{path} answered {response.status_code}: {text}")
     return response.json()
 
 
@@ -400,7 +401,8 @@ def check(turn, hit, recompute):
     if cached < turn["expected"]:
         problems.append(
             f"cached {cached} < expected checkpoint {turn['expected']} (hit unit "
-            f"{unit}): a checkpoint was lost" + (" (no hit at all)" if not cached else "")
+            f"{unit}): a checkpoint was lost"
+            + (" (no hit at all)" if not cached else "")
         )
     if cached > turn["bound"] or (unit and cached % unit):
         problems.append(
