@@ -20,13 +20,14 @@ PINNED = next(
 )
 
 
-def run_provision(**env: str) -> subprocess.CompletedProcess:
+def run_provision(timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+    """dev/provision.sh with ``env`` over this process's environment."""
     return subprocess.run(
         ["bash", str(PROVISION)],
         env={**os.environ, **env},
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
     )
 
 

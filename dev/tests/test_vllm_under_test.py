@@ -16,8 +16,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vllm_under_test as vut  # noqa: E402
 
+from .test_provision import run_provision as provision_script
+
 DEV = Path(__file__).resolve().parents[1]
-PROVISION = DEV / "provision.sh"
 PINNED = "0.32.0"
 
 # The sdist's Python source, as vLLM's sdist lays it out.
@@ -411,13 +412,8 @@ def test_an_environment_without_vllm_or_python(tmp_path):
 
 
 def run_provision(**env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["bash", str(PROVISION)],
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    # An overlay is made and checked on top of provisioning: more time.
+    return provision_script(timeout=600, **env)
 
 
 def test_provision_takes_one_vllm_under_test(tmp_path):

@@ -510,14 +510,19 @@ def plan_turns(first_len: int) -> list[PlannedTurn]:
     return turns
 
 
+def seen_lengths(prev_len: int, prompt_len: int, backoff: int) -> tuple[int, int]:
+    """The previous and the current prompt's lengths as an instance that
+    sees every prompt ``backoff`` tokens short has them (see
+    :attr:`Deployment.cache_backoff`)."""
+    return max(prev_len - backoff, 0), prompt_len - backoff
+
+
 def expectation(
     turn: PlannedTurn, unit: int, drops_unit: bool, backoff: int = 0
 ) -> tuple[int, int]:
     """(expected hit, largest possible hit) of ``turn``, on an instance that
-    sees every prompt ``backoff`` tokens short (see
-    :attr:`Deployment.cache_backoff`)."""
-    prev_len = max(turn.prev_len - backoff, 0)
-    prompt_len = turn.prompt_len - backoff
+    sees every prompt ``backoff`` tokens short."""
+    prev_len, prompt_len = seen_lengths(turn.prev_len, turn.prompt_len, backoff)
     return (
         expected_cached(prev_len, unit, drops_unit),
         hit_bound(prev_len, prompt_len, unit),
@@ -1236,9 +1241,7 @@ def check_turn(
     out, rec = turn.output, turn.recompute
     assert out is not None and rec is not None
     name = turn.name
-    prev_seen = max(turn.prev_len - turn.backoff, 0)
-    prompt_seen = turn.prompt_len - turn.backoff
-    turn.bound = hit_bound(prev_seen, prompt_seen, units.hit)
+    prev_seen, prompt_seen = seen_lengths(turn.prev_len, turn.prompt_len, turn.backoff)
     for sample, what in ((out, "hit"), (rec, "recompute")):
         if sample.prompt_tokens != turn.prompt_len:
             turn.problems.append(
@@ -1493,7 +1496,7 @@ def expected_requests(num_servers: int, turns: Sequence["Turn"]) -> list[int]:
 
 def close_window(
     window: Window, mode: Mode, turns: Sequence["Turn"]
-) -> tuple[dict, list[str], list[str]]:
+) -> tuple[dict, list[str]]:
     """Each server's counter deltas since :func:`open_window`, and every way
     they disagree with what its completions reported
     (:func:`counter_problems`) or with the route every request must take
@@ -1553,7 +1556,7 @@ def close_window(
             f"speculative mode, but {SPEC_DRAFTS} did not grow: the drafter "
             f"never ran, so the case would pass vacuously"
         )
-    return deltas, problems, []
+    return deltas, problems
 
 
 # --- cases -----------------------------------------------------------------
@@ -1730,9 +1733,8 @@ def serve_case(
             atol = binding.pd_logprob_atol
         record.play = Play(servers, binding, deployment, mode, record.units, atol)
         yield record.play
-        record.metrics, problems, notices = close_window(window, mode, record.turns)
+        record.metrics, problems = close_window(window, mode, record.turns)
         record.problems += problems
-        record.notices += notices
     except (Exception, KeyboardInterrupt):
         # Not on pytest's skip/xfail outcomes: those leave servers sound.
         pool.close()
