@@ -70,6 +70,10 @@ MAX_TOKENS = 8
 NUM_LOGPROBS = 5
 TOKEN_ID_PREFIX = "token_id:"
 REQUEST_TIMEOUT = 600.0
+# Every other call to a server (metrics, cache reset): a loaded 2-core
+# machine once left a P/D server's /metrics unanswered for more than 30 s
+# (CI, stop 17), so these get the same generous bound as a request.
+CONTROL_TIMEOUT = REQUEST_TIMEOUT
 # An offload deployment's prefix-cache reset answers success=false while
 # blocks are still held (e.g. by in-flight offload transfers); retry.
 RESET_ATTEMPTS = 120
@@ -926,7 +930,7 @@ def reset_prefix_caches(servers: Sequence[RemoteOpenAIServer]) -> None:
         url = server.url_for("reset_prefix_cache")
         for _ in range(RESET_ATTEMPTS):
             response = requests.post(
-                url, params={"reset_external": "false"}, timeout=60
+                url, params={"reset_external": "false"}, timeout=CONTROL_TIMEOUT
             )
             response.raise_for_status()
             if response.json().get("success"):
@@ -941,7 +945,7 @@ def reset_prefix_caches(servers: Sequence[RemoteOpenAIServer]) -> None:
 
 def read_metrics(server: RemoteOpenAIServer) -> dict[str, list]:
     """The server's Prometheus samples, by sample name."""
-    response = requests.get(server.url_for("metrics"), timeout=30)
+    response = requests.get(server.url_for("metrics"), timeout=CONTROL_TIMEOUT)
     response.raise_for_status()
     samples: dict[str, list] = {}
     for family in text_string_to_metric_families(response.text):
