@@ -15,13 +15,23 @@ run, as ratios, since these machines are noisy):
 * the wall time of the reference conversation on a plain and on a P/D
   deployment (servers already up), and their ratio;
 * how many server starts the CPU-tier matrix needs with and without reuse.
+
+With ``--phases REPORT_DIR [REPORT_DIR]`` it runs nothing and prints where a
+finished session's time went instead, side by side for two (before and
+after), from the session.json and case records the suite writes to its
+report folder (``HYBRID_PC_REPORT_DIR``): collection, fixtures, each case's
+server starts and stops, requests, metric reads and waits, cache resets and
+the rest of its checks, the confirmations of known failures, and the other
+tests by module.
 """
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -53,7 +63,8 @@ def _matrix_starts() -> tuple[int, int]:
     previous = None
     for case_id, case in tier.CASES.items():
         deployment = tier.DEPLOYMENTS[case.deployment]
-        if any(k.kind == "unsupported" for k in tier.known_entries(case_id)):
+        known = tier.known_entries(case_id)
+        if any(k.confirmed_by or k.at_config for k in known):
             continue
         if tier._ranks(deployment) > tier.CORES:
             continue
@@ -66,10 +77,61 @@ def _matrix_starts() -> tuple[int, int]:
     return without, with_reuse
 
 
+def phase_seconds(folder: Path) -> Counter:
+    """Seconds of a finished session by phase (see the module docstring)."""
+    session = json.loads((folder / "session.json").read_text())
+    records = {}
+    for path in folder.glob("*.json"):
+        if path.name != "session.json":
+            record = json.loads(path.read_text())
+            records[record["case_id"]] = record
+    phases: Counter = Counter(
+        {
+            "start of the process (imports)": session.get("start_seconds", 0.0),
+            "collection": session["collection_seconds"],
+        }
+    )
+    for nodeid, test in session["tests"].items():
+        phases["fixtures"] += test.get("setup", 0.0) + test.get("teardown", 0.0)
+        call = test.get("call", 0.0)
+        case_id = nodeid.rsplit("[", 1)[-1].rstrip("]") if "[" in nodeid else None
+        record = records.get(case_id)
+        if test.get("outcome") in ("skipped", "xfailed"):
+            phases["confirmations of known failures"] += call
+        elif record is not None:
+            spent = record.get("phase_seconds", {})
+            for name in harness.PHASES:
+                phases[f"cases: {name}"] += spent.get(name, 0.0)
+            phases["cases: checks and the rest"] += call - sum(spent.values())
+        else:
+            phases[f"other tests: {nodeid.split('::')[0].rsplit('/', 1)[-1]}"] += call
+    phases["pytest itself"] = session["seconds"] - sum(phases.values())
+    phases["session"] = session["seconds"]
+    return phases
+
+
+def print_phases(folders: list[Path]) -> None:
+    runs = [phase_seconds(folder) for folder in folders]
+    names = sorted({name for run in runs for name in run}, key=_phase_order)
+    print(f"{'phase':<52}" + "".join(f"{f.name[-18:]:>20}" for f in folders))
+    for name in names:
+        print(f"{name:<52}" + "".join(f"{run[name]:>19.1f}s" for run in runs))
+
+
+def _phase_order(name: str) -> tuple[int, str]:
+    first = ("start", "collection", "fixtures", "cases", "confirm", "other", "pytest")
+    rank = next((i for i, p in enumerate(first) if name.startswith(p)), len(first))
+    return rank, name
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--phases", nargs="+", type=Path, metavar="REPORT_DIR")
     args = parser.parse_args()
+    if args.phases:
+        print_phases(args.phases)
+        return 0
     folder = Path(tempfile.mkdtemp(prefix="hybrid-pc-bench-"))
     model = write_tiny_hybrid(folder)
     # The tier's own binding; the pair-start comparison below passes its

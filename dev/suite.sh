@@ -10,8 +10,12 @@
 #                           hits and counter rule replayed through vLLM's own
 #                           scheduler in-process (test_scheduler_conformance.py;
 #                           seconds, no server, no NIXL install)
-#   dev/suite.sh benchmark  the CPU tier's lifecycle benchmark
-#                           (dev/benchmark_cpu_tier.py; not a test)
+#   dev/suite.sh benchmark  the CPU tier's lifecycle benchmark, or with
+#                           --phases REPORT_DIR..., where a finished run's
+#                           time went (dev/benchmark_cpu_tier.py; not a test)
+#   dev/suite.sh reference RECORD.json
+#                           a case's hit and recompute logprobs against a
+#                           float32 forward (dev/float32_reference.py)
 #   dev/suite.sh compare    the CPU tier on the pinned vLLM (A), then on the
 #                           developer's (B, one of the options below), each
 #                           into its own report folder; then their turn
@@ -47,8 +51,8 @@ die() {
 
 job=${1:-}
 case "$job" in
-    cpu-tier | all | scheduler | benchmark | compare) shift ;;
-    *) die "usage: dev/suite.sh cpu-tier|all|scheduler|benchmark|compare" \
+    cpu-tier | all | scheduler | benchmark | reference | compare) shift ;;
+    *) die "usage: dev/suite.sh cpu-tier|all|scheduler|benchmark|reference|compare" \
         "[--vllm-source PATH | --vllm-patch FILE | --vllm-env VENV] [args...]" ;;
 esac
 
@@ -189,10 +193,12 @@ if [ "$job" = compare ]; then
         --label-a "$pinned_label" --label-b "$under_test_label" "$reports/A" "$reports/B"
 fi
 
-if [ "$job" = benchmark ]; then
+if [ "$job" = benchmark ] || [ "$job" = reference ]; then
+    script=benchmark_cpu_tier.py
+    [ "$job" = benchmark ] || script=float32_reference.py
     # -P: not dev/ first on sys.path, where dev/tests would shadow tests/.
     exec env PYTHONPATH="$CHECKOUT${PYTHONPATH:+:$PYTHONPATH}" \
-        python -P "$REPO/dev/benchmark_cpu_tier.py" "$@"
+        python -P "$REPO/dev/$script" "$@"
 fi
 if [ "$job" = all ]; then
     echo "suite: ruff check and ruff format --check on ${#OURS_PY[@]} files"

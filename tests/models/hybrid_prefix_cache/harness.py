@@ -37,6 +37,7 @@ are reused across cases with exactly the same arguments and environment
 """
 
 import contextlib
+import contextvars
 import json
 import os
 import random
@@ -290,16 +291,26 @@ class Known:
     ``evidence``; the cell then skips with ``reason``). ``geometry`` is the
     (block, hit unit) its servers reported where the failure was seen, for a
     failure that depends on it; None where it does not.
+
+    How a failure is confirmed, cheapest first: ``confirmed_by`` names the
+    one case that confirms a failure several cells share (this cell then
+    skips without a run); ``at_config`` says vLLM refuses while it builds its
+    config, so the refusal is confirmed by building the config in-process
+    from the servers' own arguments, and the servers only start if it builds.
     """
 
     kind: str
     reason: str
     evidence: str
     geometry: tuple[int, int] | None = None
+    confirmed_by: str | None = None
+    at_config: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("xfail", "unsupported"):
             raise ValueError(f"unknown kind of known failure: {self.kind!r}")
+        if self.at_config and self.kind != "unsupported":
+            raise ValueError("only a refusal can be confirmed at config time")
 
     def applies(self, units: "Units | None") -> bool:
         if self.geometry is None:
@@ -642,6 +653,44 @@ def counter_problems(
 # --- servers ---------------------------------------------------------------
 
 
+# --- where a case's time goes ---------------------------------------------
+
+# The phases a case's wall time is split into (the rest is "other"), for its
+# record and dev/benchmark_cpu_tier.py's breakdown.
+PHASES = ("start", "stop", "requests", "metrics", "reset")
+
+
+class PhaseClock:
+    """Seconds per phase of one case. Only the outermost phase counts (a
+    metrics poll that reads the counters is one "metrics" span), and threads
+    started by the case (concurrent turns) record nothing themselves: the
+    batch that runs them is timed as a whole."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self._active: str | None = None
+
+
+_CLOCK: contextvars.ContextVar[PhaseClock | None] = contextvars.ContextVar(
+    "hybrid_prefix_cache_clock", default=None
+)
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Time the block as phase ``name`` of the running case, if any."""
+    clock = _CLOCK.get()
+    if clock is None or clock._active is not None:
+        yield
+        return
+    clock._active, start = name, time.monotonic()
+    try:
+        yield
+    finally:
+        clock.seconds[name] += time.monotonic() - start
+        clock._active = None
+
+
 class ServerError(AssertionError):
     """A server failed to start, died, or did not answer. ``log`` is the
     server's whole log, where the message quotes only its tail."""
@@ -907,9 +956,10 @@ class ServerPool:
             self.reuses += 1
             return self._servers
         self.close()
-        servers = start_servers(
-            specs, binding.startup_timeout, binding.concurrent_start
-        )
+        with phase("start"):
+            servers = start_servers(
+                specs, binding.startup_timeout, binding.concurrent_start
+            )
         self._specs, self._servers = specs, servers
         self.starts += len(servers)
         self.startup_seconds += [s.startup_seconds or 0.0 for s in servers]
@@ -917,13 +967,19 @@ class ServerPool:
 
     def close(self) -> None:
         servers, self._servers, self._specs = self._servers, [], None
-        RemoteOpenAIServer.shutdown_many(servers)
+        with phase("stop"):
+            RemoteOpenAIServer.shutdown_many(servers)
 
 
 POOL = ServerPool()
 
 
 def reset_prefix_caches(servers: Sequence[RemoteOpenAIServer]) -> None:
+    with phase("reset"):
+        _reset_prefix_caches(servers)
+
+
+def _reset_prefix_caches(servers: Sequence[RemoteOpenAIServer]) -> None:
     """Drop every server's device prefix cache, keeping the offloaded one,
     so that the next hit must come from the CPU tier."""
     for server in servers:
@@ -945,7 +1001,8 @@ def reset_prefix_caches(servers: Sequence[RemoteOpenAIServer]) -> None:
 
 def read_metrics(server: RemoteOpenAIServer) -> dict[str, list]:
     """The server's Prometheus samples, by sample name."""
-    response = requests.get(server.url_for("metrics"), timeout=CONTROL_TIMEOUT)
+    with phase("metrics"):
+        response = requests.get(server.url_for("metrics"), timeout=CONTROL_TIMEOUT)
     response.raise_for_status()
     samples: dict[str, list] = {}
     for family in text_string_to_metric_families(response.text):
@@ -1063,7 +1120,8 @@ def complete(
         body["kv_transfer_params"] = kv_transfer_params
     url = server.url_for("v1/completions")
     try:
-        response = requests.post(url, json=body, timeout=REQUEST_TIMEOUT)
+        with phase("requests"):
+            response = requests.post(url, json=body, timeout=REQUEST_TIMEOUT)
     except requests.RequestException as e:
         raise _request_failure(
             server, f"did not answer a completion ({type(e).__name__}: {e})"
@@ -1109,11 +1167,12 @@ def _poll_counter(
     """Read counter ``name`` until ``done(value)`` or the settle time ends;
     the last value read (None if the server does not export it)."""
     deadline = time.monotonic() + METRICS_SETTLE_SECONDS
-    while True:
-        value = read_counters(server)[name]
-        if value is None or done(value) or time.monotonic() > deadline:
-            return value
-        time.sleep(METRICS_POLL_INTERVAL)
+    with phase("metrics"):
+        while True:
+            value = read_counters(server)[name]
+            if value is None or done(value) or time.monotonic() > deadline:
+                return value
+            time.sleep(METRICS_POLL_INTERVAL)
 
 
 def send(
@@ -1441,7 +1500,7 @@ def run_conversations(
             turns.append(turn)
             batch.append((turn, prompt, salt))
         if concurrent:
-            with ThreadPoolExecutor(len(batch)) as pool:
+            with phase("requests"), ThreadPoolExecutor(len(batch)) as pool:
                 list(pool.map(lambda args: play_turn(play, *args), batch))
         else:
             for args in batch:
@@ -1606,6 +1665,7 @@ class CaseRecord:
     startup_seconds: list[float] = field(default_factory=list)
     reused: bool | None = None  # None: no servers (their start failed)
     seconds: float = 0.0
+    phases: PhaseClock = field(default_factory=PhaseClock, repr=False)
     outcome: str = ""
     play: Play | None = field(default=None, repr=False)  # for the reproducer
 
@@ -1624,6 +1684,9 @@ class CaseRecord:
             "case_id": self.case_id,
             "outcome": self.outcome,
             "seconds": round(self.seconds, 2),
+            "phase_seconds": {
+                name: round(seconds, 2) for name, seconds in self.phases.seconds.items()
+            },
             "server_startup_seconds": [round(s, 2) for s in self.startup_seconds],
             "servers_reused": self.reused,
             "units": None if self.units is None else vars(self.units),
@@ -1665,9 +1728,10 @@ class CaseRecord:
 SUMMARY: list[CaseRecord] = []
 
 
-def report_folder() -> Path:
+def report_folder(create: bool = True) -> Path:
     folder = Path(os.environ.get(REPORT_DIR_ENV, "hybrid-prefix-cache-report"))
-    folder.mkdir(parents=True, exist_ok=True)
+    if create:
+        folder.mkdir(parents=True, exist_ok=True)
     return folder
 
 
@@ -1677,6 +1741,7 @@ def reported_case(case_id: str) -> Iterator[CaseRecord]:
     ends; fail on any problem."""
     record = CaseRecord(case_id)
     start = time.monotonic()
+    clock = _CLOCK.set(record.phases)
     try:
         yield record
     except BaseException as e:
@@ -1689,6 +1754,7 @@ def reported_case(case_id: str) -> Iterator[CaseRecord]:
             e.case_record = record  # for expect_known
         raise
     finally:
+        _CLOCK.reset(clock)
         record.seconds = time.monotonic() - start
         problems = [p for turn in record.turns for p in turn.problems]
         problems += record.problems

@@ -191,3 +191,16 @@ def continuation_error(
         continued = _log_probs(model, ids[:, prefix_len:], cache)
         full = _log_probs(model, ids)[:, prefix_len:]
     return (continued - full).abs().max().item()
+
+
+def reference_logprobs(
+    model: torch.nn.Module, prompt: list[int], tokens: list[int]
+) -> list[float]:
+    """The float32 logprob of each of ``tokens`` generated after ``prompt``,
+    from one full forward of the prompt and the tokens before it: the
+    reference that a served hit and its recompute are both held against
+    (dev/float32_reference.py)."""
+    ids = torch.tensor([prompt + tokens[:-1]])
+    with single_thread(), torch.no_grad():
+        log_probs = _log_probs(model, ids)[0, len(prompt) - 1 :]
+    return [log_probs[i, token].item() for i, token in enumerate(tokens)]

@@ -15,7 +15,8 @@ unit and plays those conversations concurrently.
 """
 
 import os
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -29,6 +30,7 @@ from tests.models.hybrid_prefix_cache.harness import (
     Units,
     expect_known,
     run_case,
+    server_specs,
 )
 from tests.models.hybrid_prefix_cache.tiny_hybrid import TinyHybrid, write_tiny_hybrid
 from vllm.platforms import current_platform
@@ -155,6 +157,8 @@ _UNSUPPORTED = {
         "fails with '_StreamPlaceholder' has no attribute 'priority_range'",
         evidence="has no attribute 'priority_range'",
     ),
+    # Raised by ModelConfig.verify_with_parallel_config (config/model.py)
+    # while the engine config is built: confirmed in-process.
     "dcp2": Known(
         "unsupported",
         "decode context parallel: vLLM refuses DCP at TP2 for this model's 2 "
@@ -162,6 +166,7 @@ _UNSUPPORTED = {
         "cores would be needed, and the CPU attention backend returns no "
         "softmax LSE for DCP",
         evidence="Decode context parallelism for GQA/MQA requires",
+        at_config=True,
     ),
     "dp2-ep": Known(
         "unsupported",
@@ -205,21 +210,36 @@ def _lost_at_256(shape: str, turn: int, cached: int, expected: int, prev: int):
     )
 
 
-_UNSUPPORTED["dcp2-offload"] = _UNSUPPORTED["dcp2"]
-_UNSUPPORTED["pd-offload"] = _UNSUPPORTED["offload"]
+def _first_confirms(known: Known, cells: Sequence[str]) -> dict[str, tuple[Known]]:
+    """``known`` for each of ``cells``, which fail alike: the first runs and
+    confirms it, the others name it (Known.confirmed_by) and skip."""
+    first = cells[0]
+    shared = replace(known, confirmed_by=first)
+    return {cell: (known if cell == first else shared,) for cell in cells}
+
+
+def _cells(deployments: Sequence[str], modes: Sequence[str]) -> list[str]:
+    return [f"{deployment}-{mode}" for deployment in deployments for mode in modes]
+
+
 # Every entry that applies to a case, by "<deployment>-<mode>[-<shape>]"; a
 # case without its own entries takes its cell's. At most one applies to a
 # given geometry (harness.select_known).
 KNOWN: dict[str, tuple[Known, ...]] = {
+    # One engine crash in the worker, whatever the deployment and mode.
+    **_first_confirms(
+        _SPEC, _cells(("plain", "tp2", "pd"), ("block-ngram", "partial-ngram"))
+    ),
+    # One worker failure: SimpleCPUOffloadConnector, alone or in a
+    # MultiConnector beside NIXL.
+    **_first_confirms(
+        _UNSUPPORTED["offload"], _cells(("offload", "pd-offload"), MODES)
+    ),
+    **_first_confirms(_UNSUPPORTED["dp2-ep"], _cells(("dp2-ep",), MODES)),
+    # Refused before an offload connector exists, each cell in-process.
     **{
-        f"{deployment}-{mode}": (_SPEC,)
-        for deployment in ("plain", "tp2", "pd")
-        for mode in ("block-ngram", "partial-ngram")
-    },
-    **{
-        f"{deployment}-{mode}": (known,)
-        for deployment, known in _UNSUPPORTED.items()
-        for mode in MODES
+        cell: (_UNSUPPORTED["dcp2"],)
+        for cell in _cells(("dcp2", "dcp2-offload"), MODES)
     },
     "plain-block-exact": (_lost_at_256("exact", 1, 0, 512, 768),),
     "plain-block-half-plus1": (_lost_at_256("half-plus1", 1, 0, 768, 897),),
@@ -384,35 +404,54 @@ BATCHED_LOGPROB_ATOL = 2e-4
 # restored state that is wrong by more shows, and so does any token change.
 PD_LOGPROB_ATOL = 2 * 2**-7
 
-# Deployments the CPU backend already refused in this session, with the cell
-# that saw it: their other cells skip without another start.
-_REFUSED: dict[str, str] = {}
-
 
 @pytest.mark.parametrize("case_id", _params())
 def test_prefix_cache(binding: Binding, case_id: str) -> None:
     case = CASES[case_id]
     known = known_entries(case_id)
-    unsupported = any(k.kind == "unsupported" for k in known)
-    if unsupported and case.deployment in _REFUSED:
-        (entry,) = known
-        pytest.skip(f"{entry.reason} (confirmed by {_REFUSED[case.deployment]})")
-    try:
-        with expect_known(case_id, known) as run:
-            run.record = run_case(
-                case_id,
-                binding,
-                DEPLOYMENTS[case.deployment],
-                MODES[case.mode],
-                shapes=(case.shape,) if case.shape else concurrent_shapes(case),
-                concurrent=case.concurrent,
+    for entry in known:
+        if entry.confirmed_by is not None:
+            pytest.skip(
+                f"{entry.reason} (as in {entry.confirmed_by}, which confirms it)"
             )
-    except pytest.skip.Exception:
-        if unsupported:
-            _REFUSED[case.deployment] = case_id
-        raise
+        if entry.at_config:
+            confirm_at_config(binding, case, entry)
+    with expect_known(case_id, known) as run:
+        run.record = run_case(
+            case_id,
+            binding,
+            DEPLOYMENTS[case.deployment],
+            MODES[case.mode],
+            shapes=(case.shape,) if case.shape else concurrent_shapes(case),
+            concurrent=case.concurrent,
+        )
     if case_id in GEOMETRY_CHECKED:
         check_geometry(binding, case, run.record)
+
+
+def confirm_at_config(binding: Binding, case: Case, known: Known) -> None:
+    """Build each server's engine config in-process from exactly the
+    arguments and environment it would be started with, as ``vllm serve``
+    does before anything is loaded: skip if vLLM refuses with ``known``'s
+    evidence. If every config builds, return, and the case runs on real
+    servers (where a fixed refusal shows as XPASS or a stale table)."""
+    from tests.models.hybrid_prefix_cache import scheduler_replay as replay
+
+    specs = server_specs(binding, DEPLOYMENTS[case.deployment], MODES[case.mode])
+    for spec in specs:
+        try:
+            with replay.environment(dict(spec.env)):
+                replay.engine_args(spec.model, spec.args).create_engine_config()
+        except Exception as e:
+            assert known.evidence in str(e), (
+                f"{case.cell} is listed as {known.kind} ({known.reason}), and vLLM "
+                f"refused its config without {known.evidence!r}: update the "
+                f"table.\n{type(e).__name__}: {e}"
+            )
+            pytest.skip(
+                f"{known.reason} (refused in-process while vLLM built the "
+                f"{spec.name} server's config: {known.evidence!r})"
+            )
 
 
 # The geometry that the scheduler tier resolves in-process for this model

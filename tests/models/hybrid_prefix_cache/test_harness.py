@@ -2,6 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Unit tests of the harness's pure helpers; no server, any platform."""
 
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import get_args
 
@@ -444,6 +445,8 @@ def test_expect_known():
         pass
     with pytest.raises(ValueError):
         Known("maybe", "r", "e")
+    with pytest.raises(ValueError, match="config time"):
+        Known("xfail", "r", "e", at_config=True)
 
 
 def _failing(message: str, units: Units | None) -> AssertionError:
@@ -485,6 +488,39 @@ def test_cpu_concurrent_cases_inherit_their_shapes_entries():
     partial = cpu.CASES["plain-partial-concurrent"]
     assert len(cpu.concurrent_shapes(partial)) == 7
     assert cpu.known_entries("plain-partial-concurrent") == ()
+
+
+def test_cpu_shared_failures_name_a_case_that_confirms_them():
+    """A cell that skips because another confirms its failure names a case
+    that runs on this machine, expects the same failure and confirms it
+    itself; and each mechanism is confirmed somewhere."""
+    from tests.models.hybrid_prefix_cache import test_cpu_tier as cpu
+
+    runnable = {p.values[0] for p in cpu._params() if not p.marks}
+    shared = {
+        case_id: known
+        for case_id in cpu.CASES
+        for known in cpu.known_entries(case_id)
+        if known.confirmed_by is not None
+    }
+    assert {k.confirmed_by for k in shared.values()} == {
+        "plain-block-ngram",
+        "offload-block",
+        "dp2-ep-block",
+    }
+    for case_id, known in shared.items():
+        confirmer = known.confirmed_by
+        assert confirmer in runnable, (case_id, confirmer)
+        expected = replace(known, confirmed_by=None)
+        assert expected in cpu.known_entries(confirmer), (case_id, confirmer)
+    refused_at_config = [
+        case_id
+        for case_id in cpu.CASES
+        if any(k.at_config for k in cpu.known_entries(case_id))
+    ]
+    assert sorted(refused_at_config) == sorted(
+        f"{d}-{m}" for d in ("dcp2", "dcp2-offload") for m in cpu.MODES
+    )
 
 
 def test_compares_logprobs_only_across_equal_tp():
