@@ -20,12 +20,14 @@ import shlex
 import subprocess
 import sys
 import tarfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import yaml
 
 import vllm
+from tests.models.kimi_k3.test_prefix_cache_matrix import collected_ids
 from vllm.platforms import current_platform
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -46,6 +48,10 @@ MOONCAKE_CU13 = "mooncake-transfer-engine-cuda13"
 # (same version); it is the folder that exists wherever the tests import vllm.
 VLLM_SOURCE_ROOT = Path(vllm.__file__).resolve().parent.parent
 
+# Nothing here sets up vLLM's distributed state or a device in-process: skip
+# the global cleanup after each test (tests/conftest.py).
+pytestmark = pytest.mark.skip_global_cleanup
+
 
 def _steps() -> list[dict]:
     return yaml.safe_load(AREA.read_text())["steps"]
@@ -64,14 +70,7 @@ def _pytest_commands(step: dict) -> list[list[str]]:
     return [shlex.split(c) for c in commands if c.startswith("pytest ")]
 
 
-def collect(
-    argv: list[str],
-    shard: tuple[int, int] | None = None,
-    extra: tuple[str, ...] = (),
-    env: dict[str, str] | None = None,
-) -> list[str]:
-    """The node ids a step's pytest command selects, run from tests/
-    (``extra`` pytest arguments and ``env`` added)."""
+def _collect_args(argv: list[str], shard: tuple[int, int] | None) -> list[str]:
     args = []
     for arg in argv[1:]:
         if shard is not None:
@@ -80,6 +79,35 @@ def collect(
         if arg not in ("-v", "-s"):
             args.append(arg)
     assert not any("$" in arg for arg in args), args
+    return args
+
+
+def collect_in_process(
+    argv: list[str], shard: tuple[int, int] | None = None
+) -> list[str]:
+    """What :func:`collect` returns, collected in this process (see
+    collected_ids). Only for commands that select modules this session
+    imports anyway (the matrix module); a command that imports other test
+    modules, or whose imports are the point, goes to :func:`collect`."""
+    args = []
+    for arg in _collect_args(argv, shard):
+        if arg.startswith("--ignore="):
+            arg = f"--ignore={TESTS / arg.split('=', 1)[1]}"
+        elif not arg.startswith("-"):
+            arg = str(TESTS / arg)
+        args.append(arg)
+    return collected_ids(args)
+
+
+def collect(
+    argv: list[str],
+    shard: tuple[int, int] | None = None,
+    extra: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> list[str]:
+    """The node ids a step's pytest command selects, run from tests/ in a
+    fresh interpreter (``extra`` pytest arguments and ``env`` added)."""
+    args = _collect_args(argv, shard)
     result = subprocess.run(
         [
             sys.executable,
@@ -192,13 +220,18 @@ def test_source_file_dependencies_cover_imported_suite_files(tmp_path, key):
     (conftest.py files, the harness, whatever it becomes) triggers the step."""
     step = _step(key)
     listed = step["source_file_dependencies"]
-    imported = set()
-    for index, argv in enumerate(_pytest_commands(step)):
+
+    def imports(index: int, argv: list[str]) -> set[str]:
         # Every shard imports the same files.
         argv = [a for a in argv if not a.startswith(("--shard-id", "--num-shards"))]
         folder = tmp_path / str(index)
         folder.mkdir()
-        imported |= imported_suite_files(argv, folder)
+        return imported_suite_files(argv, folder)
+
+    # Each command's collection in a fresh interpreter of its own, all at once.
+    commands = _pytest_commands(step)
+    with ThreadPoolExecutor(len(commands)) as pool:
+        imported = set().union(*pool.map(imports, range(len(commands)), commands))
     assert any(f.endswith("/conftest.py") for f in imported), imported
     missing = sorted(
         f
@@ -263,14 +296,14 @@ def test_sharded_timeout_not_below_upstreams():
 def test_shards_select_every_matrix_case_once():
     (argv,) = _pytest_commands(_step(SHARDED_KEY))
     assert MATRIX_MODULE in argv
-    everything = collect(
+    everything = collect_in_process(
         [
             a
             for a in argv
             if not a.startswith("--shard-id") and not a.startswith("--num-shards")
         ]
     )
-    shards = [collect(argv, shard=(i, 2)) for i in range(2)]
+    shards = [collect_in_process(argv, shard=(i, 2)) for i in range(2)]
     assert all(shards), "a shard selects nothing"
     assert not set(shards[0]) & set(shards[1])
     assert sorted(shards[0] + shards[1]) == sorted(everything)

@@ -14,8 +14,6 @@ import contextlib
 import dataclasses
 import io
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,6 +29,10 @@ from tests.models.kimi_k3 import test_prefix_cache as kimi
 from vllm.config import KVTransferConfig, SpeculativeConfig
 from vllm.entrypoints.cli.serve import ServeSubcommand
 from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+# Nothing here sets up vLLM's distributed state or a device in-process: skip
+# the global cleanup after each test (tests/conftest.py).
+pytestmark = pytest.mark.skip_global_cleanup
 
 MODULE = Path(kimi.__file__)
 MAX_GPUS = 4
@@ -102,17 +104,33 @@ def _instances():
     yield "mooncake", server_args(kimi.BINDING, mooncake, resend_mode)
 
 
+class _Collected:
+    """Records the node ids a collection selects."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+
+    def pytest_collection_finish(self, session) -> None:
+        self.ids = [item.nodeid for item in session.items]
+
+
+def collected_ids(args: list[str]) -> list[str]:
+    """The node ids ``pytest --collect-only args`` selects, from a pytest
+    session run in this process (about a second, where a fresh interpreter
+    spends ten or more importing vLLM again). Paths must be absolute."""
+    collected = _Collected()
+    code = pytest.main(
+        ["--collect-only", "-q", "-p", "no:cacheprovider", *args],
+        plugins=[collected],
+    )
+    assert code == pytest.ExitCode.OK, f"collecting {args} ended with {code!r}"
+    return collected.ids
+
+
 def test_collection_ids():
     """Collection yields exactly the matrix, the resends (right after the
     matrix case whose servers they reuse) and Mooncake."""
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", str(MODULE)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    nodes = [line for line in result.stdout.splitlines() if "::" in line]
+    nodes = collected_ids([str(MODULE)])
     names = [node.split("::", 1)[1] for node in nodes]
     expected = []
     for case_id in MATRIX_IDS:
