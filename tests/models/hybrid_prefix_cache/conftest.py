@@ -101,7 +101,8 @@ def pytest_terminal_summary(terminalreporter) -> None:
             "reused" if r.reused else "-"
         )
         write(
-            f"{r.case_id:<34} {r.outcome:<18} {len(r.turns):>5} {failed:>6} "
+            f"{r.case_id:<34} {r.verdict or r.outcome:<18} {len(r.turns):>5} "
+            f"{failed:>6} "
             f"{notices:>7} {start:>8} {r.seconds:>7.1f}"
         )
     write(

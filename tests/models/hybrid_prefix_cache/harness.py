@@ -327,6 +327,10 @@ def select_known(entries: Sequence[Known], units: "Units | None") -> Known | Non
     return found[0] if found else None
 
 
+# What the session's summary calls a case that failed as its table says.
+KNOWN_VERDICTS = {"xfail": "known xfail", "unsupported": "known refusal"}
+
+
 @dataclass
 class KnownRun:
     """What :func:`expect_known` needs of the case it wraps: its record,
@@ -359,17 +363,23 @@ def expect_known(
             raise
         text = str(e)
         if entry.evidence not in text + getattr(e, "log", ""):
+            if record is not None:
+                record.verdict = "FAIL: stale table"
             raise AssertionError(
                 f"{case_id} is listed as {entry.kind} ({entry.reason}) and "
                 f"failed, but without {entry.evidence!r}: update the table.\n"
                 f"{text}"
             ) from e
+        if record is not None:
+            record.verdict = KNOWN_VERDICTS[entry.kind]
         if entry.kind == "unsupported":
             pytest.skip(f"{entry.reason} (confirmed: {entry.evidence!r})")
         pytest.xfail(f"{entry.reason} (seen: {entry.evidence!r})")
     entry = select_known(entries, run.record.units if run.record else None)
     if entry is None:
         return
+    if run.record is not None:
+        run.record.verdict = "FAIL: XPASS"
     pytest.fail(
         f"[XPASS(strict)] {case_id} is listed as {entry.kind} "
         f"({entry.reason}) but passed: remove it from the table",
@@ -1667,6 +1677,9 @@ class CaseRecord:
     seconds: float = 0.0
     phases: PhaseClock = field(default_factory=PhaseClock, repr=False)
     outcome: str = ""
+    # The summary's word where a known-failure table judged the outcome:
+    # known xfail, known refusal, or FAIL (stale table, XPASS); else outcome.
+    verdict: str = ""
     play: Play | None = field(default=None, repr=False)  # for the reproducer
 
     def as_json(self) -> dict:

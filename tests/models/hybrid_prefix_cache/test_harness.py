@@ -459,15 +459,32 @@ def test_expect_known_by_geometry():
     """An entry with a geometry holds only where the servers reported it."""
     at256 = Known("xfail", "lost", evidence="cached 0 <", geometry=(256, 256))
     big, small = Units(block=256, hit=256), Units(block=128, hit=128)
+    failing = _failing("turn 1: cached 0 < expected checkpoint 512", big)
     with pytest.raises(pytest.xfail.Exception), expect_known("c", (at256,)):
-        raise _failing("turn 1: cached 0 < expected checkpoint 512", big)
+        raise failing
+    assert failing.case_record.verdict == "known xfail"
+    failing = _failing("turn 1: cached 0 < expected checkpoint 256", small)
     with pytest.raises(AssertionError, match="cached 0"), expect_known("c", (at256,)):
-        raise _failing("turn 1: cached 0 < expected checkpoint 256", small)
+        raise failing
+    assert failing.case_record.verdict == ""  # not listed here: its outcome
+    failing = _failing("turn 1: lost", big)
+    with (
+        pytest.raises(AssertionError, match="update the table"),
+        expect_known("c", (at256,)),
+    ):
+        raise failing
+    assert failing.case_record.verdict == "FAIL: stale table"
+    refused = Known("unsupported", "no", evidence="streams", geometry=(256, 256))
+    failing = _failing("no streams", big)
+    with pytest.raises(pytest.skip.Exception), expect_known("c", (refused,)):
+        raise failing
+    assert failing.case_record.verdict == "known refusal"
     with (
         pytest.raises(pytest.fail.Exception, match="XPASS"),
         expect_known("c", (at256,)) as run,
     ):
         run.record = CaseRecord("c", units=big)
+    assert run.record.verdict == "FAIL: XPASS"
     with expect_known("c", (at256,)) as run:
         run.record = CaseRecord("c", units=small)
     with pytest.raises(ValueError, match="several"):
