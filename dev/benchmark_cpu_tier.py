@@ -35,8 +35,8 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
-from tests.models.hybrid_prefix_cache import harness
-from tests.models.hybrid_prefix_cache import test_cpu_tier as tier
+from tests.models.hybrid_prefix_cache import cpu_binding as tier
+from tests.models.hybrid_prefix_cache import cpu_known, harness
 from tests.models.hybrid_prefix_cache.harness import (
     Deployment,
     Mode,
@@ -61,12 +61,12 @@ def _matrix_starts() -> tuple[int, int]:
     (consecutive cases with equal servers share them)."""
     without = with_reuse = 0
     previous = None
-    for case_id, case in tier.CASES.items():
+    for case_id, case in cpu_known.CASES.items():
         deployment = tier.DEPLOYMENTS[case.deployment]
-        known = tier.known_entries(case_id)
+        known = cpu_known.known_entries(case_id)
         if any(k.confirmed_by or k.at_config for k in known):
             continue
-        if tier._ranks(deployment) > tier.CORES:
+        if tier.ranks(deployment) > tier.CORES:
             continue
         servers = len(deployment.instances)
         without += servers

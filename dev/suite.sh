@@ -35,7 +35,10 @@
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-MAIN_TESTS=(tests/models/hybrid_prefix_cache/test_cpu_tier.py)
+MAIN_TESTS=(
+    tests/models/hybrid_prefix_cache/test_cpu_tier.py
+    tests/models/hybrid_prefix_cache/test_cpu_tier_wide_kv.py
+)
 SCHEDULER_TESTS=(tests/models/hybrid_prefix_cache/test_scheduler_conformance.py)
 ALL_TESTS=(
     tests/models/hybrid_prefix_cache

@@ -145,7 +145,7 @@ def serve_commands(serve: Mapping | None) -> list[str]:
 def _docstring(
     record: Mapping,
     plan: list[dict],
-    tiny_model: bool,
+    tiny_model: str | None,
     checkout: str,
     python: str,
 ) -> str:
@@ -176,14 +176,14 @@ def _docstring(
         ]
     model = serve.get("model", "(unknown)")
     lines += ["", "MODEL"]
-    if tiny_model:
+    if tiny_model is not None:
         lines += [
             f"The CPU tier's tiny Qwen3-Next model (the suite served {model}).",
             "Write it into MODEL_DIR from a vLLM checkout with this suite's",
             "tests/ laid over it:",
             "",
             f"    cd {shlex.quote(checkout)}",
-            f"    {shlex.quote(python)} -m {TINY_MODEL_MODULE} MODEL_DIR",
+            f"    {shlex.quote(python)} -m {TINY_MODEL_MODULE} MODEL_DIR{tiny_model}",
         ]
     else:
         lines += [f"{model}; put its path in place of MODEL_DIR below."]
@@ -233,7 +233,7 @@ def _docstring(
 def render(
     record: Mapping,
     *,
-    tiny_model: bool = False,
+    tiny_model: str | None = None,
     checkout: str = "<vLLM checkout>",
     python: str = "python",
 ) -> str:
@@ -258,6 +258,18 @@ def render(
     return TEMPLATE.replace("__DOCSTRING__", docstring).replace("__CASE__", literal)
 
 
+def tiny_model_args(model: Path) -> str | None:
+    """What follows OUT_DIR in the command that wrote ``model`` (" --variant
+    V", or ""), if the tiny-model writer wrote it; None otherwise."""
+    marker = model / TINY_MODEL_MARKER
+    if not marker.is_file():
+        return None
+    for line in marker.read_text().splitlines():
+        if TINY_MODEL_MODULE in line and " OUT_DIR" in line:
+            return line.split(" OUT_DIR", 1)[1].rstrip()
+    return ""
+
+
 def reproducer_path(folder: Path, case_id: str) -> Path:
     return folder / f"{case_id}.repro.py"
 
@@ -275,7 +287,7 @@ def update_reproducer(record: Mapping, folder: Path) -> Path | None:
         model = (record.get("serve") or {}).get("model") or ""
         text = render(
             record,
-            tiny_model=bool(model) and (Path(model) / TINY_MODEL_MARKER).is_file(),
+            tiny_model=tiny_model_args(Path(model)) if model else None,
             checkout=os.getcwd(),
             python=sys.executable,
         )

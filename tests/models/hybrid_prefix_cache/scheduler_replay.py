@@ -992,7 +992,7 @@ def cpu_geometry(model_path: str | Path, mode: harness.Mode) -> Geometry:
     """The attention block, Mamba block and hit unit of the CPU tier's plain
     deployment serving ``model_path`` in ``mode``, as its engine resolves
     them (:func:`cpu_engine`)."""
-    from tests.models.hybrid_prefix_cache import test_cpu_tier as cpu
+    from tests.models.hybrid_prefix_cache import cpu_binding as cpu
     from tests.models.hybrid_prefix_cache.tiny_hybrid import (
         FIRST_WORD_ID,
         VOCAB_SIZE,

@@ -495,29 +495,30 @@ def test_expect_known_by_geometry():
 def test_cpu_concurrent_cases_inherit_their_shapes_entries():
     """A concurrent case plays every sweep shape that does not fail at every
     geometry the table names, and expects what those shapes expect."""
-    from tests.models.hybrid_prefix_cache import test_cpu_tier as cpu
+    from tests.models.hybrid_prefix_cache import cpu_known
 
-    block = cpu.CASES["plain-block-concurrent"]
-    shapes = cpu.concurrent_shapes(block)
+    block = cpu_known.CASES["plain-block-concurrent"]
+    shapes = cpu_known.concurrent_shapes(block)
     assert "exact" in shapes and "unit-minus1" not in shapes
-    entries = cpu.known_entries("plain-block-concurrent")
+    entries = cpu_known.known_entries("plain-block-concurrent")
     assert entries and {k.geometry for k in entries} == {(256, 256)}
-    partial = cpu.CASES["plain-partial-concurrent"]
-    assert len(cpu.concurrent_shapes(partial)) == 7
-    assert cpu.known_entries("plain-partial-concurrent") == ()
+    partial = cpu_known.CASES["plain-partial-concurrent"]
+    assert len(cpu_known.concurrent_shapes(partial)) == 7
+    assert cpu_known.known_entries("plain-partial-concurrent") == ()
 
 
 def test_cpu_shared_failures_name_a_case_that_confirms_them():
     """A cell that skips because another confirms its failure names a case
     that runs on this machine, expects the same failure and confirms it
     itself; and each mechanism is confirmed somewhere."""
-    from tests.models.hybrid_prefix_cache import test_cpu_tier as cpu
+    from tests.models.hybrid_prefix_cache import cpu_binding as cpu
+    from tests.models.hybrid_prefix_cache import cpu_known
 
-    runnable = {p.values[0] for p in cpu._params() if not p.marks}
+    runnable = {c for c in cpu_known.CASES if cpu_known.core_shortage(c) is None}
     shared = {
         case_id: known
-        for case_id in cpu.CASES
-        for known in cpu.known_entries(case_id)
+        for case_id in cpu_known.CASES
+        for known in cpu_known.known_entries(case_id)
         if known.confirmed_by is not None
     }
     assert {k.confirmed_by for k in shared.values()} == {
@@ -529,11 +530,11 @@ def test_cpu_shared_failures_name_a_case_that_confirms_them():
         confirmer = known.confirmed_by
         assert confirmer in runnable, (case_id, confirmer)
         expected = replace(known, confirmed_by=None)
-        assert expected in cpu.known_entries(confirmer), (case_id, confirmer)
+        assert expected in cpu_known.known_entries(confirmer), (case_id, confirmer)
     refused_at_config = [
         case_id
-        for case_id in cpu.CASES
-        if any(k.at_config for k in cpu.known_entries(case_id))
+        for case_id in cpu_known.CASES
+        if any(k.at_config for k in cpu_known.known_entries(case_id))
     ]
     assert sorted(refused_at_config) == sorted(
         f"{d}-{m}" for d in ("dcp2", "dcp2-offload") for m in cpu.MODES

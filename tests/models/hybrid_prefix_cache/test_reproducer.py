@@ -199,8 +199,16 @@ def run_script(tmp_path, record, *args, **render_kwargs):
     )
 
 
-def test_the_marker_is_the_one_tiny_hybrid_writes():
+def test_the_marker_is_the_one_tiny_hybrid_writes(tmp_path):
     assert reproducer.TINY_MODEL_MARKER == tiny_hybrid.MARKER
+    assert reproducer.TINY_MODEL_MODULE == tiny_hybrid.MODULE
+    for variant in ("", "wide-kv"):
+        (tmp_path / tiny_hybrid.MARKER).write_text(
+            f"written by\n{tiny_hybrid.write_command(variant)}\n"
+        )
+        expected = f" --variant {variant}" if variant else ""
+        assert reproducer.tiny_model_args(tmp_path) == expected
+    assert reproducer.tiny_model_args(tmp_path / "elsewhere") is None
 
 
 def test_the_plan_replays_the_failing_turn_after_its_predecessors():
@@ -224,7 +232,7 @@ def test_the_plan_replays_the_failing_turn_after_its_predecessors():
 def test_the_script_compiles_and_names_what_it_needs():
     text = reproducer.render(
         synthetic_record(),
-        tiny_model=True,
+        tiny_model=" --variant wide-kv",
         checkout="/co/vllm-0.32.0",
         python="/venv/bin/python",
     )
@@ -233,6 +241,7 @@ def test_the_script_compiles_and_names_what_it_needs():
     unwrapped = " ".join(doc.replace("\\\n", " ").split())
     assert "a turn 1: cached 0 < expected checkpoint 32" in unwrapped
     assert "    cd /co/vllm-0.32.0\n" in doc
+    assert "tiny_hybrid MODEL_DIR --variant wide-kv\n" in doc
     assert (
         "    /venv/bin/python -m tests.models.hybrid_prefix_cache.tiny_hybrid MODEL_DIR"
         in doc

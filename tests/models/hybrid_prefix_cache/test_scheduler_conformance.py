@@ -31,7 +31,8 @@ import pytest
 
 from tests.models.hybrid_prefix_cache import harness
 from tests.models.hybrid_prefix_cache import scheduler_replay as replay
-from tests.models.hybrid_prefix_cache import test_cpu_tier as cpu
+from tests.models.hybrid_prefix_cache import cpu_binding as cpu
+from tests.models.hybrid_prefix_cache import cpu_known
 from tests.models.hybrid_prefix_cache.tiny_hybrid import (
     TinyHybrid,
     write_tiny_hybrid,
@@ -152,7 +153,7 @@ def cpu_engines(
         except Exception as e:
             unsupported = [
                 known
-                for entries in cpu.KNOWN.values()
+                for entries in cpu_known.KNOWN.values()
                 for known in entries
                 if known.kind == "unsupported" and known.evidence in str(e)
             ]
@@ -329,9 +330,9 @@ def test_kimi_mooncake_resend() -> None:
 # --- the CPU tier --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case_id", list(cpu.CASES))
+@pytest.mark.parametrize("case_id", list(cpu_known.CASES))
 def test_cpu_case(cpu_binding: harness.Binding, case_id: str) -> None:
-    case = cpu.CASES[case_id]
+    case = cpu_known.CASES[case_id]
     deployment = cpu.DEPLOYMENTS[case.deployment]
     mode = cpu.MODES[case.mode]
     engines = cpu_engines(cpu_binding, deployment, mode)
@@ -339,7 +340,7 @@ def test_cpu_case(cpu_binding: harness.Binding, case_id: str) -> None:
     if case.shape is not None:
         shapes: Sequence[str] = (case.shape,)
     else:
-        shapes = cpu.concurrent_shapes(case)
+        shapes = cpu_known.concurrent_shapes(case)
     conversations = [
         harness.Conversation(shape, length, f"{case_id}-{shape}")
         for shape in shapes

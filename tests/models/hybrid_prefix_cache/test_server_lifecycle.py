@@ -22,11 +22,10 @@ from pathlib import Path
 import pytest
 
 from tests.models.hybrid_prefix_cache import harness
+from tests.models.hybrid_prefix_cache.cpu_binding import DEPLOYMENTS, cpu_binding
 from tests.models.hybrid_prefix_cache.harness import (
     Binding,
     CaseRecord,
-    Deployment,
-    Instance,
     Mode,
     Server,
     ServerError,
@@ -48,21 +47,8 @@ pytestmark = pytest.mark.skipif(
     ),
 )
 
-PLAIN = Deployment(
-    decode=Instance(
-        serve_args=("--distributed-executor-backend", "uni"),
-        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-    )
-)
-ARGS = (
-    "--max-model-len",
-    "4096",
-    "--kv-cache-memory-bytes",
-    "1G",
-    "--max-num-seqs",
-    "2",
-    "-O0",
-)
+# The CPU tier's own settings and plain deployment (cpu_binding.py).
+PLAIN = DEPLOYMENTS["plain"]
 # How long processes may take to go once their server was stopped.
 EXIT_GRACE_SECONDS = 30.0
 
@@ -70,15 +56,7 @@ EXIT_GRACE_SECONDS = 30.0
 @pytest.fixture(scope="module")
 def binding(tmp_path_factory) -> Binding:
     model = write_tiny_hybrid(tmp_path_factory.mktemp("tiny-hybrid"))
-    return Binding(
-        model=str(model.path),
-        base_args=ARGS,
-        token_ids=(model.first_word_id, model.vocab_size),
-        env={"HF_HUB_OFFLINE": "1"},
-        startup_timeout=300.0,
-        visible_devices_env=None,
-        concurrent_start=False,
-    )
+    return replace(cpu_binding(model), concurrent_start=False)
 
 
 def _alive(pid: int) -> bool:
@@ -191,14 +169,13 @@ CHILD = """
 import time
 from pathlib import Path
 
-from tests.models.hybrid_prefix_cache.harness import (
-    Binding, Deployment, Instance, Mode, serve,
-)
+from tests.models.hybrid_prefix_cache.cpu_binding import DEPLOYMENTS, cpu_binding
+from tests.models.hybrid_prefix_cache.harness import Mode, serve
+from tests.models.hybrid_prefix_cache.tiny_hybrid import TinyHybrid
 
 def test_wait_for_ctrl_c():
-    binding = Binding(model={model!r}, base_args={args!r}, token_ids=(2, 3),
-                      env={{"HF_HUB_OFFLINE": "1"}}, visible_devices_env=None)
-    with serve(binding, Deployment(decode=Instance(**{instance!r})), Mode()) as s:
+    binding = cpu_binding(TinyHybrid(Path({model!r}), 2, 3))
+    with serve(binding, DEPLOYMENTS["plain"], Mode()) as s:
         pids = sorted(pid for server in s for pid in server.pids())
         Path({pid_file!r}).write_text(" ".join(map(str, pids)))
         time.sleep(600)
@@ -211,8 +188,6 @@ def test_ctrl_c_of_pytest(binding, tmp_path):
     child.write_text(
         CHILD.format(
             model=binding.model,
-            args=ARGS,
-            instance={"serve_args": PLAIN.decode.serve_args, "env": PLAIN.decode.env},
             pid_file=str(pid_file),
         )
     )

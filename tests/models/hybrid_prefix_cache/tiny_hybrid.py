@@ -15,7 +15,10 @@ go through vLLM's normal safetensors loader.
 Run from a vLLM checkout with this suite's tests/ laid over it, it writes the
 model into a folder of your choice (a failing case's reproducer names it):
 
-    python -m tests.models.hybrid_prefix_cache.tiny_hybrid OUT_DIR
+    python -m tests.models.hybrid_prefix_cache.tiny_hybrid OUT_DIR [--variant V]
+
+A variant changes a few sizes of the config (VARIANTS), and with them the
+cache geometry vLLM resolves: the CPU tier's second model is one.
 """
 
 import argparse
@@ -34,6 +37,17 @@ VOCAB_SIZE = 2048
 # A file in every model written here, by which a reproducer knows the model
 # (reproducer.TINY_MODEL_MARKER).
 MARKER = "hybrid-prefix-cache-tiny-model.txt"
+MODULE = "tests.models.hybrid_prefix_cache.tiny_hybrid"
+
+# What each variant changes in the config, by name ("" is the CPU tier's
+# first model).
+VARIANTS: dict[str, dict] = {
+    "": {},
+    # Four KV heads instead of two double the attention page: on CPU the
+    # model resolves to block 128 and Mamba block 128, where the first one
+    # resolves to 256 and 256 (CPUs with AVX512-BF16).
+    "wide-kv": {"num_key_value_heads": 4},
+}
 
 
 @dataclass(frozen=True)
@@ -44,9 +58,9 @@ class TinyHybrid:
     vocab_size: int
 
 
-def _config() -> dict:
+def _config(variant: str = "") -> dict:
     num_layers = 4
-    return {
+    base = {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3_next",
         "vocab_size": VOCAB_SIZE,
@@ -80,6 +94,7 @@ def _config() -> dict:
         "eos_token_id": FIRST_WORD_ID - 1,
         "dtype": "bfloat16",
     }
+    return {**base, **VARIANTS[variant]}
 
 
 def _write_tokenizer(path: Path) -> None:
@@ -103,13 +118,19 @@ def _write_tokenizer(path: Path) -> None:
     )
 
 
-def write_tiny_hybrid(path: Path) -> TinyHybrid:
-    """Write config, tokenizer and seeded weights into ``path``."""
+def write_command(variant: str = "") -> str:
+    """The command that writes the model (the reproducer quotes it)."""
+    return f"python -m {MODULE} OUT_DIR" + (f" --variant {variant}" if variant else "")
+
+
+def write_tiny_hybrid(path: Path, variant: str = "") -> TinyHybrid:
+    """Write config, tokenizer and seeded weights of ``variant`` into
+    ``path``."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(_config(), indent=2))
+    (path / "config.json").write_text(json.dumps(_config(variant), indent=2))
     config = AutoConfig.from_pretrained(path)
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -117,18 +138,20 @@ def write_tiny_hybrid(path: Path) -> TinyHybrid:
     _write_tokenizer(path)
     (path / MARKER).write_text(
         f"The hybrid prefix-cache suite's tiny model (seed {SEED}), written by\n"
-        f"python -m tests.models.hybrid_prefix_cache.tiny_hybrid OUT_DIR\n"
+        f"{write_command(variant)}\n"
     )
     return TinyHybrid(path=path, first_word_id=FIRST_WORD_ID, vocab_size=VOCAB_SIZE)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m tests.models.hybrid_prefix_cache.tiny_hybrid",
+        prog=f"python -m {MODULE}",
         description="Write the tiny Qwen3-Next hybrid model of the CPU tier.",
     )
     parser.add_argument("out_dir", type=Path, help="the folder to write it into")
-    model = write_tiny_hybrid(parser.parse_args(argv).out_dir)
+    parser.add_argument("--variant", choices=sorted(VARIANTS), default="")
+    args = parser.parse_args(argv)
+    model = write_tiny_hybrid(args.out_dir, args.variant)
     print(f"wrote {model.path.resolve()}: serve it with vllm serve {model.path}")
 
 
