@@ -57,7 +57,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.models.hybrid_prefix_cache.reproducer import serve_info, update_reproducer
 from tests.models.utils import check_logprobs_close
-from tests.utils import RemoteOpenAIServer, _sanitize_pythonpath_env
+from tests.utils import (
+    RemoteOpenAIServer,
+    _redact_sensitive_cli_args,
+    _sanitize_pythonpath_env,
+)
 from vllm.utils.network_utils import get_open_port
 
 # The conversation: the first prompt spans FIRST_PROMPT_BLOCKS blocks plus an
@@ -804,12 +808,15 @@ class Server(RemoteOpenAIServer):
         env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         env.update(env_dict or {})
         _sanitize_pythonpath_env(env)
-        self.command = ["vllm", "serve", model, *vllm_serve_args]
+        command = ["vllm", "serve", model, *vllm_serve_args]
+        # What is shown (here, and in every failure) hides secrets in the
+        # arguments, as RemoteOpenAIServer._start_server does.
+        self.command = _redact_sensitive_cli_args(command)
         print(f"[{self.spec.name}] {' '.join(self.command)}  (log: {self.log_path})")
         log = open(self.log_path, "wb")  # noqa: SIM115 - closed by the copier
         try:
             self.proc = subprocess.Popen(
-                self.command,
+                command,
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

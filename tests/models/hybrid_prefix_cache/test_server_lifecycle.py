@@ -89,7 +89,9 @@ def _launched_since(mark: int) -> list[Server]:
 
 def test_server_exits_during_startup(binding, tmp_path):
     mark = len(harness.LAUNCHED)
-    broken = replace(binding, model=str(tmp_path))  # no config.json in it
+    # No config.json in the model folder; a secret in the arguments.
+    secret = ("--api-key", "not-to-be-printed")
+    broken = replace(binding, model=str(tmp_path), base_args=binding.base_args + secret)
     with (
         pytest.raises(ServerError, match="exited with code") as error,
         serve(broken, PLAIN, Mode()),
@@ -97,6 +99,8 @@ def test_server_exits_during_startup(binding, tmp_path):
         pytest.fail("an empty model folder served")
     assert "last 60 lines of" in str(error.value)
     assert str(tmp_path) in str(error.value)
+    assert "--api-key ***" in str(error.value)
+    assert secret[1] not in str(error.value).split("last 60 lines of")[0]
     assert_no_leftovers(_launched_since(mark))
 
 
