@@ -178,14 +178,22 @@ def cpu_binding(model: TinyHybrid) -> Binding:
     )
 
 
-def check_geometry(binding: Binding, mode: Mode, record: CaseRecord) -> None:
-    """The geometry that the scheduler tier resolves in-process for the
-    binding's model must be what its real server reported."""
+def resolved_units(binding: Binding, mode: Mode) -> Units:
+    """The block and hit unit that vLLM resolves in-process for the plain
+    deployment of ``binding``'s model in ``mode`` (the scheduler tier's
+    reading, scheduler_replay.cpu_geometry); check_geometry holds a real
+    server to it."""
     from tests.models.hybrid_prefix_cache.scheduler_replay import cpu_geometry
 
     geometry = cpu_geometry(binding.model, mode)
-    resolved = Units(block=geometry.scheduler_block, hit=geometry.hit_unit)
+    return Units(block=geometry.scheduler_block, hit=geometry.hit_unit)
+
+
+def check_geometry(binding: Binding, mode: Mode, record: CaseRecord) -> None:
+    """The geometry that the scheduler tier resolves in-process for the
+    binding's model must be what its real server reported."""
+    resolved = resolved_units(binding, mode)
     assert record.units == resolved, (
         f"the server reports {record.units} in vllm:cache_config_info, vLLM "
-        f"resolves {geometry} in-process (scheduler_replay.cpu_geometry)"
+        f"resolves {resolved} in-process (scheduler_replay.cpu_geometry)"
     )

@@ -492,19 +492,22 @@ def test_expect_known_by_geometry():
     assert select_known((at256,), None) is None
 
 
-def test_cpu_concurrent_cases_inherit_their_shapes_entries():
-    """A concurrent case plays every sweep shape that does not fail at every
-    geometry the table names, and expects what those shapes expect."""
+def test_cpu_concurrent_cases_play_the_shapes_that_pass_alone():
+    """A concurrent case plays the sweep shapes that pass on their own at
+    the geometry its servers resolve to, and expects them all to pass."""
     from tests.models.hybrid_prefix_cache import cpu_known
 
+    at256, at128 = Units(block=256, hit=256), Units(block=128, hit=128)
     block = cpu_known.CASES["plain-block-concurrent"]
-    shapes = cpu_known.concurrent_shapes(block)
+    assert cpu_known.concurrent_shapes(block, at256) == ("plus1", "tail37")
+    shapes = cpu_known.concurrent_shapes(block, at128)
     assert "exact" in shapes and "unit-minus1" not in shapes
-    entries = cpu_known.known_entries("plain-block-concurrent")
-    assert entries and {k.geometry for k in entries} == {(256, 256)}
+    assert cpu_known.known_entries("plain-block-concurrent") == ()
     partial = cpu_known.CASES["plain-partial-concurrent"]
-    assert len(cpu_known.concurrent_shapes(partial)) == 7
+    for units in (at256, at128, None):
+        assert len(cpu_known.concurrent_shapes(partial, units)) == 7
     assert cpu_known.known_entries("plain-partial-concurrent") == ()
+    assert cpu_known.concurrent_shapes(cpu_known.CASES["plain-block"], at256) == ()
 
 
 def test_cpu_shared_failures_name_a_case_that_confirms_them():

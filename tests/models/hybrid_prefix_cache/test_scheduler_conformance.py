@@ -340,7 +340,7 @@ def test_cpu_case(cpu_binding: harness.Binding, case_id: str) -> None:
     if case.shape is not None:
         shapes: Sequence[str] = (case.shape,)
     else:
-        shapes = cpu_known.concurrent_shapes(case)
+        shapes = cpu_known.concurrent_shapes(case, units)
     conversations = [
         harness.Conversation(shape, length, f"{case_id}-{shape}")
         for shape in shapes
