@@ -4,7 +4,7 @@
 
 Each folder holds the JSON records the cases of one run wrote
 (``HYBRID_PC_REPORT_DIR``; see ``CaseRecord.as_json`` in
-tests/models/hybrid_prefix_cache/harness.py). For every case, the turn
+tests/models/hybrid_prefix_cache/harness/records.py). For every case, the turn
 tables of both runs are printed side by side, and a turn is marked where its
 hit (``cached``), its hit verdict against the expected checkpoint and the
 bound, its tokens (equal to the recompute's, or the output itself) or its

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.models.hybrid_prefix_cache import harness, reproducer, tiny_hybrid
+from tests.models.hybrid_prefix_cache.harness import records
 
 UNIT = 16
 PREFILL_PARAMS = {"do_remote_decode": True, "remote_host": None}
@@ -367,7 +368,8 @@ def sample(tokens, cached):
 
 def test_the_harness_writes_it_next_to_a_failing_record(tmp_path, monkeypatch):
     monkeypatch.setenv(harness.REPORT_DIR_ENV, str(tmp_path))
-    monkeypatch.setattr(harness, "SUMMARY", [])  # not the session's summary
+    # Not the session's summary: patched where reported_case appends to it.
+    monkeypatch.setattr(records, "SUMMARY", [])
     stale = tmp_path / "sweep-partial.repro.py"
     stale.write_text("stale")
     with harness.reported_case("sweep-partial") as record:

@@ -3,9 +3,4 @@
 """The Kimi-K3 prefix-cache matrix shares the hybrid prefix-cache suite's
 test grouping, server pool and case summary."""
 
-from tests.models.hybrid_prefix_cache.conftest import (  # noqa: F401
-    hybrid_prefix_cache_servers,
-    pytest_collection_modifyitems,
-    pytest_configure,
-    pytest_terminal_summary,
-)
+from tests.models.hybrid_prefix_cache.harness.plugin import *  # noqa: F401,F403

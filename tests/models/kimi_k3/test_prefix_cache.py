@@ -6,7 +6,7 @@ Kimi-K3 interleaves Kimi Delta Attention with MLA layers, so a prefix is
 reused only at a saved recurrent-state checkpoint. Every deployment (plain,
 CPU offload, DCP, P/D over NIXL and their combinations) runs every mode
 (block, partial, each with and without DSpark) through the shared harness in
-``tests/models/hybrid_prefix_cache/harness.py``; this module only binds it.
+``tests/models/hybrid_prefix_cache/harness/``; this module only binds it.
 
 Needs the SM100 family (B200/GB200) or MI355 (gfx950); up to 4 GPUs.
 ``KIMI_K3_PREFIX_CACHE_MODEL`` and ``KIMI_K3_PREFIX_CACHE_DRAFT`` point the

@@ -1,0 +1,194 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Model-agnostic harness for prefix-cache tests of hybrid models.
+
+Hybrid models (linear attention or Mamba layers beside attention layers) can
+only reuse a prefix at a checkpoint, where vLLM saved the recurrent state.
+A growing conversation must therefore hit at least the last checkpoint of the
+previous prompt on every turn, and the output must equal a recompute of the
+same prompt under a fresh ``cache_salt``.
+
+This package knows nothing about any model. A tier binds it to one: a
+:class:`Binding` says which model to serve and how, frozen dataclasses say
+what to deploy (:class:`Deployment` of :class:`Instance`) and how to match
+(:class:`Mode`), and :func:`run_case` does the rest.
+
+The oracle, per turn (:func:`check_turn`):
+
+* lower bound: ``cached >= expected``, the previous prompt's last checkpoint
+  (:func:`expected_cached`);
+* upper bound (:func:`impossible_hit`): a hit lands on a hit-unit boundary,
+  never reaches past what this salt's earlier requests stored (the previous
+  prompt), and leaves at least the last prompt token to compute. A hit above
+  the expected checkpoint but within these bounds is legitimate (a whole
+  unit-aligned previous prompt may be reused) and shows as a notice;
+* the recompute under a fresh salt hits nothing, and its greedy tokens and
+  the sampled tokens' logprobs equal the hit's within the binding's
+  tolerance (``check_logprobs_close`` as well);
+* per case, from ``/metrics``: the prefix-cache counters of every server move
+  by exactly the usage its requests reported, a P/D decoder counts a NIXL
+  transfer per request, an offload hit is counted by the external (connector)
+  counters, and a speculative mode really drafted.
+
+Servers (:class:`Server`) log to a file whose tail every startup or request
+failure quotes, start one after another or all at once (per binding), and
+are reused across cases with exactly the same arguments and environment
+(:class:`ServerPool`); cases are isolated by ``cache_salt``.
+
+Which module owns what (each imports only the ones above it):
+
+* ``deployment``: the deployment model (:class:`Mode`, :class:`Instance`,
+  :class:`Deployment`, :class:`Binding`, ``server_args``), the geometry a
+  server reports (:class:`Units`) and the known-failure entries
+  (:class:`Known`);
+* ``oracle``: the checkpoint arithmetic (:func:`expectation`,
+  :func:`plan_turns`), :class:`Sample`, :class:`Turn` and
+  :func:`check_turn`;
+* ``reconcile``: the counter rule (:class:`Ledger`,
+  :func:`counter_problems`, :func:`expected_requests`);
+* ``clock``: the per-phase clock of a case (:func:`phase`);
+* ``servers``: :class:`Server`, starting and reusing servers
+  (:class:`ServerPool`), the report folder;
+* ``client``: requests (:func:`complete`, :func:`send`), cache resets,
+  ``/metrics`` reads and the counter window of a case;
+* ``conversation``: conversations, their shapes, and playing turns;
+* ``records``: a case's record (:class:`CaseRecord`), its table, JSON
+  report and reproducer (:func:`reported_case`), the session's
+  :data:`SUMMARY`;
+* ``cases``: running a case (:func:`serve_case`, :func:`run_case`,
+  :func:`run_resend`) and :func:`expect_known`;
+* ``plugin``: the pytest plugin both suite conftests re-export, and the
+  collection helpers (:func:`servers_mark`, :func:`matrix_params`).
+
+oracle.py and reconcile.py are pure (no ``requests``, no clock): a unit test
+or the scheduler tier uses them without a server. The mutable state
+(``LAUNCHED``, ``POOL``, ``SUMMARY``) lives in its owner; the names here are
+the same objects, but to replace one (e.g. monkeypatch), patch the owner.
+"""
+
+# Every public name of the harness, for ``from ...harness import X`` and
+# ``harness.X``; F401: these imports are the re-exports.
+from tests.models.hybrid_prefix_cache.harness.cases import (  # noqa: F401
+    KNOWN_VERDICTS,
+    KnownRun,
+    expect_known,
+    run_case,
+    run_resend,
+    serve_case,
+)
+from tests.models.hybrid_prefix_cache.harness.client import (  # noqa: F401
+    CONTROL_TIMEOUT,
+    MAX_TOKENS,
+    METRICS_POLL_INTERVAL,
+    METRICS_SETTLE_SECONDS,
+    PREFILL_KV_TRANSFER_PARAMS,
+    REQUEST_TIMEOUT,
+    RESET_ATTEMPTS,
+    RESET_INTERVAL,
+    TOKEN_ID_PREFIX,
+    Window,
+    cache_config,
+    close_window,
+    complete,
+    open_window,
+    read_counters,
+    read_metrics,
+    reset_prefix_caches,
+    send,
+)
+from tests.models.hybrid_prefix_cache.harness.clock import (  # noqa: F401
+    PHASES,
+    PhaseClock,
+    phase,
+)
+from tests.models.hybrid_prefix_cache.harness.conversation import (  # noqa: F401
+    SHAPES,
+    Conversation,
+    Play,
+    planned_turn,
+    play_turn,
+    random_tokens,
+    reference_conversation,
+    run_conversations,
+    shape_length,
+)
+from tests.models.hybrid_prefix_cache.harness.deployment import (  # noqa: F401
+    EAGLE_STYLE_METHODS,
+    PD_PREFILL_BACKOFF,
+    Binding,
+    Deployment,
+    Instance,
+    Known,
+    Mode,
+    Units,
+    device_ranges,
+    select_known,
+    server_args,
+)
+from tests.models.hybrid_prefix_cache.harness.oracle import (  # noqa: F401
+    FIRST_PROMPT_BLOCKS,
+    FIRST_PROMPT_TAIL,
+    NUM_LOGPROBS,
+    NUM_TURNS,
+    TURN_TOKENS,
+    PlannedTurn,
+    Sample,
+    Turn,
+    check_turn,
+    expectation,
+    expected_cached,
+    expected_resend,
+    first_divergence,
+    hit_bound,
+    impossible_hit,
+    plan_turns,
+    prompt_end_checkpoint,
+    seen_lengths,
+)
+from tests.models.hybrid_prefix_cache.harness.plugin import (  # noqa: F401
+    SERVERS_MARK,
+    group_by_servers,
+    matrix_params,
+    servers_mark,
+)
+from tests.models.hybrid_prefix_cache.harness.reconcile import (  # noqa: F401
+    EXTERNAL_HITS,
+    EXTERNAL_QUERIES,
+    NIXL_BYTES,
+    NIXL_TRANSFERS,
+    PREFIX_HITS,
+    PREFIX_QUERIES,
+    REQUESTS_DONE,
+    SPEC_DRAFTS,
+    Ledger,
+    counter_problems,
+    expected_requests,
+    ledger_entry,
+)
+from tests.models.hybrid_prefix_cache.harness.records import (  # noqa: F401
+    SUMMARY,
+    CaseRecord,
+    format_table,
+    reported_case,
+)
+from tests.models.hybrid_prefix_cache.harness.servers import (  # noqa: F401
+    HEALTH_POLL_INTERVAL,
+    LAUNCHED,
+    LOG_TAIL_LINES,
+    PD_ENV,
+    POOL,
+    REPORT_DIR_ENV,
+    Server,
+    ServerError,
+    ServerPool,
+    ServerSpec,
+    log_folder,
+    report_folder,
+    serve,
+    server_specs,
+    start_servers,
+    wait_healthy,
+)
+
+# dev/benchmark_cpu_tier.py stops servers with harness.RemoteOpenAIServer.
+from tests.utils import RemoteOpenAIServer  # noqa: F401

@@ -1,0 +1,208 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Cases: how one runs, on its servers (:func:`serve_case`), as a growing
+conversation (:func:`run_case`) or a resend (:func:`run_resend`), and under
+a known-failure entry (:func:`expect_known`)."""
+
+import contextlib
+import random
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import pytest
+
+from tests.models.hybrid_prefix_cache.harness.client import (
+    cache_config,
+    close_window,
+    open_window,
+    send,
+)
+from tests.models.hybrid_prefix_cache.harness.conversation import (
+    Conversation,
+    Play,
+    planned_turn,
+    play_turn,
+    random_tokens,
+    reference_conversation,
+    run_conversations,
+    shape_length,
+)
+from tests.models.hybrid_prefix_cache.harness.deployment import (
+    Binding,
+    Deployment,
+    Known,
+    Mode,
+    Units,
+    select_known,
+)
+from tests.models.hybrid_prefix_cache.harness.oracle import PlannedTurn, Turn
+from tests.models.hybrid_prefix_cache.harness.records import CaseRecord, reported_case
+from tests.models.hybrid_prefix_cache.harness.servers import POOL, ServerPool
+
+# What the session's summary calls a case that failed as its table says.
+KNOWN_VERDICTS = {"xfail": "known xfail", "unsupported": "known refusal"}
+
+
+@dataclass
+class KnownRun:
+    """What :func:`expect_known` needs of the case it wraps: its record,
+    which holds the geometry its servers reported."""
+
+    record: CaseRecord | None = None
+
+
+@contextlib.contextmanager
+def expect_known(
+    case_id: str, known: Known | Sequence[Known] | None
+) -> Iterator[KnownRun]:
+    """Run a cell under the known-failure entry that applies to it, if any.
+
+    A listed cell must fail, and its failure (message or the failing
+    server's log) must contain the entry's evidence; otherwise the table is
+    stale and the cell fails. Unlisted cells run as they are. An entry with a
+    geometry applies only where the case's servers reported it: the body sets
+    ``run.record`` to what :func:`run_case` returns, and a failing case
+    carries its record on the exception.
+    """
+    entries = () if known is None else (known,) if isinstance(known, Known) else known
+    run = KnownRun()
+    try:
+        yield run
+    except Exception as e:
+        record = getattr(e, "case_record", None)
+        entry = select_known(entries, record.units if record else None)
+        if entry is None:
+            raise
+        text = str(e)
+        if entry.evidence not in text + getattr(e, "log", ""):
+            if record is not None:
+                record.verdict = "FAIL: stale table"
+            raise AssertionError(
+                f"{case_id} is listed as {entry.kind} ({entry.reason}) and "
+                f"failed, but without {entry.evidence!r}: update the table.\n"
+                f"{text}"
+            ) from e
+        if record is not None:
+            record.verdict = KNOWN_VERDICTS[entry.kind]
+        if entry.kind == "unsupported":
+            pytest.skip(f"{entry.reason} (confirmed: {entry.evidence!r})")
+        pytest.xfail(f"{entry.reason} (seen: {entry.evidence!r})")
+    entry = select_known(entries, run.record.units if run.record else None)
+    if entry is None:
+        return
+    if run.record is not None:
+        run.record.verdict = "FAIL: XPASS"
+    pytest.fail(
+        f"[XPASS(strict)] {case_id} is listed as {entry.kind} "
+        f"({entry.reason}) but passed: remove it from the table",
+        pytrace=False,
+    )
+
+
+@contextlib.contextmanager
+def serve_case(
+    record: CaseRecord,
+    binding: Binding,
+    deployment: Deployment,
+    mode: Mode,
+    pool: ServerPool = POOL,
+) -> Iterator[Play]:
+    """Get the case's servers from ``pool`` (started, or reused), record
+    their checkpoint geometry, and reconcile their counters at the end. A
+    case that ends in an exception, rather than in recorded problems, stops
+    its servers: they may be what broke."""
+    starts = pool.starts
+    servers = pool.acquire(binding, deployment, mode)
+    record.reused = pool.starts == starts
+    if not record.reused:
+        record.startup_seconds = [s.startup_seconds or 0.0 for s in servers]
+    try:
+        # The hit unit is the one of the instance that consults its prefix
+        # cache: the prefiller under P/D.
+        record.units = Units.from_cache_config(cache_config(servers[0]), mode)
+        window = open_window(servers)
+        atol = binding.logprob_atol
+        if deployment.prefill is not None:
+            atol = binding.pd_logprob_atol
+        record.play = Play(servers, binding, deployment, mode, record.units, atol)
+        yield record.play
+        record.metrics, problems = close_window(window, mode, record.turns)
+        record.problems += problems
+    except (Exception, KeyboardInterrupt):
+        # Not on pytest's skip/xfail outcomes: those leave servers sound.
+        pool.close()
+        raise
+
+
+def run_case(
+    case_id: str,
+    binding: Binding,
+    deployment: Deployment,
+    mode: Mode,
+    *,
+    shapes: Sequence[str] = (),
+    concurrent: bool = False,
+    pool: ServerPool = POOL,
+) -> CaseRecord:
+    """Serve ``deployment`` in ``mode`` and check its conversations: the
+    reference one, or one per sweep shape in ``shapes``, played one after
+    another or (``concurrent``) all at once.
+
+    The turn table is printed whether the case passes or fails.
+    """
+    with (
+        reported_case(case_id) as record,
+        serve_case(record, binding, deployment, mode, pool) as play,
+    ):
+        if shapes:
+            lengths = {shape: shape_length(shape, play.units) for shape in shapes}
+            conversations = [
+                Conversation(shape, length, f"{case_id}-{shape}")
+                for shape, length in lengths.items()
+                if length is not None
+            ]
+            if not conversations:
+                pytest.skip(
+                    f"shapes {list(shapes)} need a hit unit below the block; this "
+                    f"server has hit unit {play.units.hit}, block {play.units.block}"
+                )
+        else:
+            conversations = [reference_conversation(play.units, case_id)]
+        if concurrent:
+            play.logprob_atol = binding.batched_logprob_atol
+        run_conversations(play, conversations, record.turns, concurrent)
+    return record
+
+
+def run_resend(
+    case_id: str,
+    binding: Binding,
+    deployment: Deployment,
+    mode: Mode,
+    prompt_len: int,
+    pool: ServerPool = POOL,
+) -> CaseRecord:
+    """Send one prompt cold, resend it, and recompute it under a fresh salt.
+
+    The cold request and the recompute hit nothing; the resend hits at least
+    the prompt's own checkpoint (:func:`expected_resend`, on the instance that
+    consults its cache).
+    """
+    with (
+        reported_case(case_id) as record,
+        serve_case(record, binding, deployment, mode, pool) as play,
+    ):
+        prompt = random_tokens(random.Random(case_id), binding.token_ids, prompt_len)
+        salt = f"resend-{uuid.uuid4().hex}"
+        cold = Turn("", 0, prompt_len, 0, 0, prompt=prompt, salt=salt)
+        record.turns.append(cold)
+        cold.output = send(play.servers, binding.model, prompt, salt, cold.problems)
+        if cold.output.cached_tokens != 0:
+            cold.problems.append(
+                f"cold request: cached {cold.output.cached_tokens}, expected 0"
+            )
+        resend = planned_turn(play, "", PlannedTurn(1, prompt_len, prompt_len, True))
+        record.turns.append(resend)
+        play_turn(play, resend, prompt, salt)
+    return record

@@ -1,0 +1,343 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Requests to servers: completions through a deployment (:func:`send`),
+prefix-cache resets, ``/metrics`` reads, and the counter window of a case
+(:func:`open_window`, :func:`close_window`), whose deltas the pure counter
+rule of ``reconcile.py`` judges."""
+
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.models.hybrid_prefix_cache.harness.clock import phase
+from tests.models.hybrid_prefix_cache.harness.deployment import Mode
+from tests.models.hybrid_prefix_cache.harness.oracle import NUM_LOGPROBS, Sample, Turn
+from tests.models.hybrid_prefix_cache.harness.reconcile import (
+    EXTERNAL_HITS,
+    EXTERNAL_QUERIES,
+    NIXL_BYTES,
+    NIXL_TRANSFERS,
+    PREFIX_HITS,
+    PREFIX_QUERIES,
+    REQUESTS_DONE,
+    SPEC_DRAFTS,
+    Ledger,
+    counter_deltas,
+    drafter_problems,
+    expected_requests,
+    ledger_entry,
+    server_deltas,
+    server_problems,
+)
+from tests.models.hybrid_prefix_cache.harness.servers import Server, ServerError
+from tests.utils import RemoteOpenAIServer
+
+MAX_TOKENS = 8
+TOKEN_ID_PREFIX = "token_id:"
+REQUEST_TIMEOUT = 600.0
+# Every other call to a server (metrics, cache reset): a loaded 2-core
+# machine once left a P/D server's /metrics unanswered for more than 30 s
+# (CI, stop 17), so these get the same generous bound as a request.
+CONTROL_TIMEOUT = REQUEST_TIMEOUT
+# An offload deployment's prefix-cache reset answers success=false while
+# blocks are still held (e.g. by in-flight offload transfers); retry.
+RESET_ATTEMPTS = 120
+RESET_INTERVAL = 0.5
+# Counters are exported after the engine step that moved them; poll for
+# this long before calling a mismatch.
+METRICS_SETTLE_SECONDS = 15.0
+METRICS_POLL_INTERVAL = 0.25
+# The prefill leg of a P/D request asks the prefiller to keep the KV for a
+# remote decoder.
+PREFILL_KV_TRANSFER_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def reset_prefix_caches(servers: Sequence[RemoteOpenAIServer]) -> None:
+    with phase("reset"):
+        _reset_prefix_caches(servers)
+
+
+def _reset_prefix_caches(servers: Sequence[RemoteOpenAIServer]) -> None:
+    """Drop every server's device prefix cache, keeping the offloaded one,
+    so that the next hit must come from the CPU tier."""
+    for server in servers:
+        url = server.url_for("reset_prefix_cache")
+        for _ in range(RESET_ATTEMPTS):
+            response = requests.post(
+                url, params={"reset_external": "false"}, timeout=CONTROL_TIMEOUT
+            )
+            response.raise_for_status()
+            if response.json().get("success"):
+                break
+            time.sleep(RESET_INTERVAL)
+        else:
+            raise AssertionError(
+                f"{url} kept answering success=false for "
+                f"{RESET_ATTEMPTS * RESET_INTERVAL:.0f} s"
+            )
+
+
+def read_metrics(server: RemoteOpenAIServer) -> dict[str, list]:
+    """The server's Prometheus samples, by sample name."""
+    with phase("metrics"):
+        response = requests.get(server.url_for("metrics"), timeout=CONTROL_TIMEOUT)
+    response.raise_for_status()
+    samples: dict[str, list] = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append(sample)
+    return samples
+
+
+def read_counters(server: RemoteOpenAIServer) -> dict[str, float | None]:
+    """The reconciled counters of one server, summed over engines; None for
+    a counter the server does not export."""
+    samples = read_metrics(server)
+    names = (
+        PREFIX_QUERIES,
+        PREFIX_HITS,
+        EXTERNAL_QUERIES,
+        EXTERNAL_HITS,
+        NIXL_TRANSFERS,
+        NIXL_BYTES,
+        SPEC_DRAFTS,
+        REQUESTS_DONE,
+    )
+    return {
+        name: sum(s.value for s in samples[name]) if name in samples else None
+        for name in names
+    }
+
+
+def cache_config(server: RemoteOpenAIServer) -> dict[str, str]:
+    """The labels of the server's ``vllm:cache_config_info`` metric."""
+    samples = read_metrics(server).get("vllm:cache_config_info")
+    if not samples:
+        raise AssertionError(f"{server.url_root} exports no vllm:cache_config_info")
+    return dict(samples[0].labels)
+
+
+def _token_id(token: str) -> int:
+    if not token.startswith(TOKEN_ID_PREFIX):
+        raise AssertionError(f"token {token!r} is not in the token-id form")
+    return int(token.removeprefix(TOKEN_ID_PREFIX))
+
+
+def _request_failure(server: RemoteOpenAIServer, what: str) -> ServerError:
+    if isinstance(server, Server):
+        try:  # a server that just died may take a moment to be reaped
+            code = server.proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            code = None
+        if code is not None:
+            what += f"; the server exited with code {code}"
+        return server.error(what)
+    return ServerError(f"{server.url_root}: {what}")
+
+
+def complete(
+    server: RemoteOpenAIServer,
+    model: str,
+    prompt: Sequence[int],
+    salt: str,
+    *,
+    max_tokens: int = MAX_TOKENS,
+    kv_transfer_params: dict | None = None,
+) -> Sample:
+    """A greedy completion of ``prompt`` (token ids) under ``salt``."""
+    body = {
+        "model": model,
+        "prompt": list(prompt),
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "logprobs": NUM_LOGPROBS,
+        "cache_salt": salt,
+        "return_tokens_as_token_ids": True,
+    }
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
+    url = server.url_for("v1/completions")
+    try:
+        with phase("requests"):
+            response = requests.post(url, json=body, timeout=REQUEST_TIMEOUT)
+    except requests.RequestException as e:
+        raise _request_failure(
+            server, f"did not answer a completion ({type(e).__name__}: {e})"
+        ) from None
+    if response.status_code != 200:
+        raise _request_failure(
+            server,
+            f"answered a completion with {response.status_code}: "
+            f"{response.text[:2000]}",
+        )
+    data = response.json()
+    choice, usage = data["choices"][0], data["usage"]
+    details = usage.get("prompt_tokens_details") or {}
+    if details.get("cached_tokens") is None:
+        raise AssertionError(
+            "the server reports no usage.prompt_tokens_details.cached_tokens; "
+            "serve with --enable-prompt-tokens-details"
+        )
+    if isinstance(server, Server):
+        server.record(
+            ledger_entry(
+                usage["prompt_tokens"], details["cached_tokens"], kv_transfer_params
+            )
+        )
+    logprobs = choice["logprobs"]
+    return Sample(
+        token_ids=[_token_id(t) for t in logprobs["tokens"]],
+        text=choice["text"],
+        token_logprobs=list(logprobs["token_logprobs"]),
+        top_logprobs=[
+            {_token_id(t): lp for t, lp in top.items()}
+            for top in logprobs["top_logprobs"]
+        ],
+        prompt_tokens=usage["prompt_tokens"],
+        cached_tokens=details["cached_tokens"],
+        kv_transfer_params=data.get("kv_transfer_params"),
+    )
+
+
+def poll_counter(
+    server: RemoteOpenAIServer, name: str, done: Callable[[float], bool]
+) -> float | None:
+    """Read counter ``name`` until ``done(value)`` or the settle time ends;
+    the last value read (None if the server does not export it)."""
+    deadline = time.monotonic() + METRICS_SETTLE_SECONDS
+    with phase("metrics"):
+        while True:
+            value = read_counters(server)[name]
+            if value is None or done(value) or time.monotonic() > deadline:
+                return value
+            time.sleep(METRICS_POLL_INTERVAL)
+
+
+def send(
+    servers: Sequence[RemoteOpenAIServer],
+    model: str,
+    prompt: Sequence[int],
+    salt: str,
+    problems: list[str] | None = None,
+) -> Sample:
+    """One turn's request through the deployment.
+
+    With a prefiller (``servers`` = prefiller, decoder), the prefiller
+    computes the prompt and keeps its KV for the decoder; the decoder then
+    pulls it over the KV connector and generates. The hit is the
+    prefiller's: that is where the prefix cache is consulted. When
+    ``problems`` is given (requests sent one at a time), the decoder must
+    also count a NIXL transfer for the request and report the prefiller's
+    hit as its cached prefix.
+    """
+    if len(servers) == 1:
+        return complete(servers[0], model, prompt, salt)
+    prefiller, decoder = servers
+    prefill = complete(
+        prefiller,
+        model,
+        prompt,
+        salt,
+        max_tokens=1,
+        kv_transfer_params=PREFILL_KV_TRANSFER_PARAMS,
+    )
+    if not prefill.kv_transfer_params:
+        raise AssertionError(
+            f"the prefiller {prefiller.url_root} returned no kv_transfer_params"
+        )
+    before = read_counters(decoder)[NIXL_TRANSFERS] if problems is not None else 0
+    decode = complete(
+        decoder,
+        model,
+        prompt,
+        salt,
+        kv_transfer_params=prefill.kv_transfer_params,
+    )
+    if problems is not None:
+        after = poll_counter(decoder, NIXL_TRANSFERS, lambda v: v > (before or 0))
+        if before is None or after is None:
+            problems.append(f"the decoder exports no {NIXL_TRANSFERS}")
+        elif after <= before:
+            problems.append(
+                f"the decoder's {NIXL_TRANSFERS} stayed at {after:g}: no KV "
+                f"was transferred for this request"
+            )
+        if decode.cached_tokens != prefill.cached_tokens:
+            problems.append(
+                f"the decoder reports {decode.cached_tokens} cached tokens, "
+                f"the prefiller hit {prefill.cached_tokens}"
+            )
+    return replace(decode, cached_tokens=prefill.cached_tokens)
+
+
+@dataclass
+class Window:
+    """Counters and usage ledgers of a case's servers at its start."""
+
+    servers: Sequence[RemoteOpenAIServer]
+    counters: list[dict[str, float | None]]
+    ledgers: list[Ledger]
+
+
+def _ledger(server: RemoteOpenAIServer) -> Ledger:
+    return server.ledger if isinstance(server, Server) else Ledger()
+
+
+def open_window(servers: Sequence[RemoteOpenAIServer]) -> Window:
+    return Window(
+        servers,
+        [read_counters(server) for server in servers],
+        [_ledger(server) for server in servers],
+    )
+
+
+def close_window(
+    window: Window, mode: Mode, turns: Sequence[Turn]
+) -> tuple[dict, list[str]]:
+    """Each server's counter deltas since :func:`open_window`, and every way
+    they disagree with what its completions reported
+    (:func:`counter_problems`) or with the route every request must take
+    (:func:`expected_requests`, against vLLM's own request_success count)."""
+    deltas, problems = {}, []
+    drafts = 0.0
+    routes = expected_requests(len(window.servers), turns)
+    for index, server in enumerate(window.servers):
+        spec = server.spec if isinstance(server, Server) else None
+        name = spec.name if spec else f"server{index}"
+        ledger = _ledger(server) - window.ledgers[index]
+        before = window.counters[index]
+
+        def check(
+            now: dict, before=before, name=name, ledger=ledger, spec=spec, index=index
+        ) -> list[str]:
+            return server_problems(
+                name,
+                counter_deltas(now, before),
+                ledger,
+                prefix_caching=spec.prefix_caching if spec else True,
+                connector=spec.connector if spec else False,
+                route=routes[index] if spec else None,
+            )
+
+        deadline = time.monotonic() + METRICS_SETTLE_SECONDS
+        now = read_counters(server)
+        while check(now) and time.monotonic() < deadline:
+            time.sleep(METRICS_POLL_INTERVAL)
+            now = read_counters(server)
+        problems += check(now)
+        moved = counter_deltas(now, before)
+        deltas[name] = server_deltas(ledger, moved)
+        drafts += moved[SPEC_DRAFTS] or 0.0
+    problems += drafter_problems(mode, drafts)
+    return deltas, problems

@@ -1,0 +1,43 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Where a case's time goes: the per-phase clock of the running case."""
+
+import contextlib
+import contextvars
+import time
+from collections.abc import Iterator
+
+# The phases a case's wall time is split into (the rest is "other"), for its
+# record and dev/benchmark_cpu_tier.py's breakdown.
+PHASES = ("start", "stop", "requests", "metrics", "reset")
+
+
+class PhaseClock:
+    """Seconds per phase of one case. Only the outermost phase counts (a
+    metrics poll that reads the counters is one "metrics" span), and threads
+    started by the case (concurrent turns) record nothing themselves: the
+    batch that runs them is timed as a whole."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self._active: str | None = None
+
+
+CLOCK: contextvars.ContextVar[PhaseClock | None] = contextvars.ContextVar(
+    "hybrid_prefix_cache_clock", default=None
+)
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Time the block as phase ``name`` of the running case, if any."""
+    clock = CLOCK.get()
+    if clock is None or clock._active is not None:
+        yield
+        return
+    clock._active, start = name, time.monotonic()
+    try:
+        yield
+    finally:
+        clock.seconds[name] += time.monotonic() - start
+        clock._active = None

@@ -1,0 +1,187 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Conversations: their shapes and random prompts, and how a case plays
+them turn by turn against its servers (:func:`run_conversations`)."""
+
+import random
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from tests.models.hybrid_prefix_cache.harness.client import (
+    complete,
+    poll_counter,
+    read_counters,
+    reset_prefix_caches,
+    send,
+)
+from tests.models.hybrid_prefix_cache.harness.clock import phase
+from tests.models.hybrid_prefix_cache.harness.deployment import (
+    Binding,
+    Deployment,
+    Mode,
+    Units,
+)
+from tests.models.hybrid_prefix_cache.harness.oracle import (
+    FIRST_PROMPT_BLOCKS,
+    FIRST_PROMPT_TAIL,
+    NUM_TURNS,
+    TURN_TOKENS,
+    PlannedTurn,
+    Turn,
+    check_turn,
+    expectation,
+    plan_turns,
+)
+from tests.models.hybrid_prefix_cache.harness.reconcile import EXTERNAL_HITS
+from tests.utils import RemoteOpenAIServer
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A growing conversation: its label, the first prompt's length and
+    the seed of its random tokens."""
+
+    label: str
+    first_len: int
+    seed: str
+
+
+def reference_conversation(units: Units, seed: str) -> Conversation:
+    """The reference shape: three blocks and an unaligned tail."""
+    return Conversation("", FIRST_PROMPT_BLOCKS * units.block + FIRST_PROMPT_TAIL, seed)
+
+
+# Tail-sweep shapes: the first prompt is FIRST_PROMPT_BLOCKS blocks, plus one
+# hit unit when the boundary should fall inside a block ("inblock"), plus a
+# tail past that last boundary, given as a function of the hit unit.
+SHAPES: dict[str, tuple[bool, Callable[[int], int]]] = {
+    "exact": (False, lambda unit: 0),
+    "plus1": (False, lambda unit: 1),
+    "tail37": (False, lambda unit: 37 % unit),
+    "half-plus1": (False, lambda unit: unit // 2 + 1),
+    "unit-minus1": (False, lambda unit: unit - 1),
+    "inblock-exact": (True, lambda unit: 0),
+    "inblock-plus1": (True, lambda unit: 1),
+}
+
+
+def shape_length(shape: str, units: Units) -> int | None:
+    """The first prompt's length of sweep ``shape``; None when the shape
+    does not exist for this geometry (an in-block boundary when the hit
+    unit is the block)."""
+    inblock, tail = SHAPES[shape]
+    if inblock and units.hit >= units.block:
+        return None
+    base = FIRST_PROMPT_BLOCKS * units.block + (units.hit if inblock else 0)
+    return base + tail(units.hit)
+
+
+def random_tokens(rng: random.Random, token_ids: tuple[int, int], n: int) -> list[int]:
+    low, high = token_ids
+    return [rng.randrange(low, high) for _ in range(n)]
+
+
+@dataclass
+class Play:
+    """What a case needs to play turns: where, what, and how to check."""
+
+    servers: Sequence[RemoteOpenAIServer]
+    binding: Binding
+    deployment: Deployment
+    mode: Mode
+    units: Units
+    logprob_atol: float | None
+
+
+def play_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
+    """Send ``prompt`` under ``salt`` (after the offload reset, if any) and
+    again under a fresh salt, then check the turn."""
+    turn.prompt, turn.salt = list(prompt), salt
+    start = time.monotonic()
+    servers, model = play.servers, play.binding.model
+    if play.deployment.offload:
+        reset_prefix_caches(servers)
+        before = read_counters(servers[0])[EXTERNAL_HITS]
+    turn.output = send(servers, model, prompt, salt, turn.problems)
+    if play.deployment.offload and turn.output.cached_tokens > 0:
+        after = poll_counter(servers[0], EXTERNAL_HITS, lambda v: v > (before or 0))
+        if before is None or after is None or after <= before:
+            turn.problems.append(
+                f"{turn.name}: cached {turn.output.cached_tokens} after the "
+                f"device prefix cache was reset, but {EXTERNAL_HITS} did not "
+                f"grow ({before} -> {after}): the hit did not come from the "
+                f"offload tier"
+            )
+    # The recompute goes to the decoder alone, with a fresh salt and no
+    # transfer: under P/D it computes the whole prompt itself, so a transfer
+    # that corrupts the state cannot corrupt both sides alike.
+    fresh = f"recompute-{uuid.uuid4().hex}"
+    turn.recompute = complete(servers[-1], model, prompt, fresh)
+    turn.seconds = time.monotonic() - start
+    check_turn(turn, play.units, play.logprob_atol, play.deployment.compares_logprobs)
+
+
+def planned_turn(play: Play, label: str, planned: PlannedTurn) -> Turn:
+    """The :class:`Turn` of ``planned`` with its expected hit and bound for
+    the case's geometry, drafter and deployment."""
+    backoff = play.deployment.cache_backoff
+    expected, bound = expectation(
+        planned, play.units.hit, play.mode.drops_unit, backoff
+    )
+    return Turn(
+        label,
+        planned.index,
+        planned.prompt_len,
+        planned.prev_len,
+        expected,
+        bound=bound,
+        resend=planned.resend,
+        backoff=backoff,
+    )
+
+
+def run_conversations(
+    play: Play,
+    conversations: Sequence[Conversation],
+    turns: list[Turn],
+    concurrent: bool = False,
+) -> None:
+    """Play ``conversations`` (each under its own salt) turn by turn, as
+    :func:`plan_turns` lays them out, appending to ``turns``. A later turn's
+    prompt is the previous prompt, the previous output and random tokens.
+    Concurrently, every conversation's turn is in flight at once (and its
+    recompute right after), as a busy server sees them."""
+    states = []
+    for conv in conversations:
+        rng = random.Random(conv.seed)
+        prompt = random_tokens(rng, play.binding.token_ids, conv.first_len)
+        salt = f"conversation-{uuid.uuid4().hex}"
+        states.append((conv, rng, salt, prompt, plan_turns(conv.first_len)))
+    for index in range(NUM_TURNS + 1):
+        batch = []
+        for conv, _, salt, prompt, plan in states:
+            turn = planned_turn(play, conv.label, plan[index])
+            if turn.prompt_len != len(prompt):
+                raise AssertionError(f"{turn.name}: the plan and the prompt part")
+            turns.append(turn)
+            batch.append((turn, prompt, salt))
+        if concurrent:
+            with phase("requests"), ThreadPoolExecutor(len(batch)) as pool:
+                list(pool.map(lambda args: play_turn(play, *args), batch))
+        else:
+            for args in batch:
+                play_turn(play, *args)
+        for i, ((conv, rng, salt, prompt, plan), (turn, _, _)) in enumerate(
+            zip(states, batch)
+        ):
+            if index + 1 >= len(plan) or plan[index + 1].resend:
+                continue  # the resend sends this prompt again
+            assert turn.output is not None
+            appended = turn.output.token_ids[:TURN_TOKENS]
+            fill = random_tokens(
+                rng, play.binding.token_ids, TURN_TOKENS - len(appended)
+            )
+            states[i] = (conv, rng, salt, prompt + appended + fill, plan)

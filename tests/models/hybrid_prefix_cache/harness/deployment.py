@@ -1,0 +1,254 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The deployment model: what a tier serves (:class:`Binding`), what a case
+deploys (:class:`Deployment` of :class:`Instance`) and how prefixes are
+matched (:class:`Mode`), the ``vllm serve`` arguments of each, the checkpoint
+geometry a server reports (:class:`Units`), and the known-failure entries
+(:class:`Known`). Pure: nothing here talks to a server."""
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from math import lcm
+
+# The trailing prompt tokens a P/D prefiller never sees. vLLM's NIXL
+# scheduler truncates a do_remote_decode request when it is added
+# (distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py,
+# _prefill_backoff and _truncate_request_for_prefill): by one token for a
+# model with Mamba layers, whose last token the decoder recomputes; by more
+# only for multi-module MTP, which no tier here uses. The prefiller's lookup,
+# its checkpoints and its query counter see the shorter prompt, and the
+# decoder loads exactly that many tokens (_get_remote_prefill_token_count).
+PD_PREFILL_BACKOFF = 1
+
+
+# Drafting methods that vLLM treats as EAGLE-style (they read the target's
+# hidden states): vllm/config/speculative.py, SpeculativeConfig.use_eagle.
+# With one of them, vLLM drops the trailing hash unit of every prefix-cache
+# lookup and saves the prompt-end Mamba checkpoint one unit lower, unless
+# the config sets disable_eagle_block_drop (SpeculativeConfig.
+# use_eagle_block_drop, read by v1/core/sched/scheduler.py Scheduler.__init__
+# and by model_executor/layers/mamba/checkpoint.py). An n-gram drafter does
+# neither. test_harness.py checks this set against the installed vLLM.
+EAGLE_STYLE_METHODS = frozenset({"eagle", "eagle3", "mtp", "dflash", "dspark"})
+
+
+@dataclass(frozen=True)
+class Mode:
+    """How prefixes are matched: by block, or by a finer prefix match unit,
+    with or without speculative decoding."""
+
+    prefix_match_unit: int | None = None
+    spec: Mapping | None = field(default=None, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.spec is not None and "method" not in self.spec:
+            raise ValueError(
+                "a speculative config must name its method: whether the prefix "
+                "cache drops a unit depends on it"
+            )
+
+    @property
+    def drops_unit(self) -> bool:
+        """Whether vLLM drops the trailing hit unit for this drafter
+        (``SpeculativeConfig.use_eagle_block_drop``)."""
+        if self.spec is None:
+            return False
+        return self.spec["method"] in EAGLE_STYLE_METHODS and not self.spec.get(
+            "disable_eagle_block_drop", False
+        )
+
+    def args(self, prefix_caching: bool = True) -> list[str]:
+        """The mode's ``vllm serve`` arguments; an instance without prefix
+        caching gets no prefix match unit, which it would not use."""
+        args = []
+        if self.prefix_match_unit is not None and prefix_caching:
+            args += ["--prefix-match-unit", str(self.prefix_match_unit)]
+        if self.spec is not None:
+            args += ["--speculative-config", json.dumps(self.spec)]
+        return args
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One ``vllm serve`` process, the devices it owns, and its own
+    environment and extra arguments (e.g. CPU thread binding)."""
+
+    tp: int = 1
+    dp: int = 1
+    dcp: int = 1
+    expert_parallel: bool = False
+    kv_config: Mapping | None = field(default=None, hash=False)
+    prefix_caching: bool = True
+    env: Mapping[str, str] = field(default_factory=dict, hash=False)
+    serve_args: tuple[str, ...] = ()
+
+    @property
+    def num_devices(self) -> int:
+        return self.tp * self.dp
+
+    def args(self) -> list[str]:
+        args = []
+        if self.tp > 1:
+            args += ["--tensor-parallel-size", str(self.tp)]
+        if self.dp > 1:
+            args += ["--data-parallel-size", str(self.dp)]
+        if self.dcp > 1:
+            args += ["--decode-context-parallel-size", str(self.dcp)]
+        if self.expert_parallel:
+            args.append("--enable-expert-parallel")
+        if self.kv_config is not None:
+            args += ["--kv-transfer-config", json.dumps(self.kv_config)]
+        caching = "--enable-prefix-caching" if self.prefix_caching else None
+        args.append(caching or "--no-enable-prefix-caching")
+        return [*args, *self.serve_args]
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """The instances of one case: a decoder, optionally fed by a prefiller.
+
+    ``offload`` means the hit must come from the CPU offload tier: the
+    instances' GPU prefix caches are reset before every turn.
+    """
+
+    decode: Instance = Instance()
+    prefill: Instance | None = None
+    offload: bool = False
+
+    @property
+    def instances(self) -> tuple[Instance, ...]:
+        if self.prefill is None:
+            return (self.decode,)
+        return (self.prefill, self.decode)
+
+    @property
+    def num_devices(self) -> int:
+        return sum(instance.num_devices for instance in self.instances)
+
+    @property
+    def cache_backoff(self) -> int:
+        """Trailing prompt tokens that the instance consulting its prefix
+        cache never sees: the P/D prefiller's (:data:`PD_PREFILL_BACKOFF`)."""
+        return 0 if self.prefill is None else PD_PREFILL_BACKOFF
+
+    @property
+    def compares_logprobs(self) -> bool:
+        """Whether a hit's logprobs can be held to the recompute's.
+
+        Under P/D with different TP sizes, prefiller and decoder hold
+        differently sharded (and, with dummy weights, different) weights.
+        """
+        return self.prefill is None or self.prefill.tp == self.decode.tp
+
+
+def device_ranges(deployment: Deployment) -> list[range]:
+    """Disjoint, contiguous device ids for each instance, in order."""
+    ranges, start = [], 0
+    for instance in deployment.instances:
+        ranges.append(range(start, start + instance.num_devices))
+        start += instance.num_devices
+    return ranges
+
+
+@dataclass(frozen=True)
+class Binding:
+    """What a tier binds the harness to.
+
+    ``token_ids`` is the half-open range random prompt ids are drawn from.
+    ``logprob_atol`` bounds the difference between the sampled tokens'
+    logprobs of a cache hit and of its recompute when requests run one at a
+    time, ``batched_logprob_atol`` when they are batched with other
+    conversations, ``pd_logprob_atol`` under P/D, where the hit takes the
+    P/D path and the recompute runs on the decoder alone: the prefiller
+    computes all but the last prompt token and the decoder that one, so the
+    two are not bit-identical even without a hit. None where no tolerance
+    has been measured on the platform (``check_logprobs_close`` still
+    applies). ``concurrent_start`` starts a
+    deployment's instances at once instead of one after another.
+    """
+
+    model: str
+    base_args: tuple[str, ...]
+    token_ids: tuple[int, int]
+    env: Mapping[str, str] = field(default_factory=dict, hash=False)
+    startup_timeout: float = 600.0
+    logprob_atol: float | None = 0.0
+    batched_logprob_atol: float | None = None
+    pd_logprob_atol: float | None = None
+    # The variable that gives a P/D instance its own devices, or None where
+    # instances share the machine (the CPU backend).
+    visible_devices_env: str | None = "CUDA_VISIBLE_DEVICES"
+    concurrent_start: bool = True
+
+
+def server_args(binding: Binding, instance: Instance, mode: Mode) -> list[str]:
+    """The ``vllm serve`` arguments (after the model) of one instance."""
+    return [*binding.base_args, *instance.args(), *mode.args(instance.prefix_caching)]
+
+
+@dataclass(frozen=True)
+class Units:
+    """The checkpoint geometry a server reports."""
+
+    block: int  # lcm of the attention and Mamba block sizes
+    hit: int  # the finest boundary a hit can land on
+
+    @classmethod
+    def from_cache_config(cls, labels: Mapping[str, str], mode: Mode) -> "Units":
+        block = lcm(int(labels["block_size"]), int(labels["mamba_block_size"]))
+        if mode.prefix_match_unit is None:
+            return cls(block=block, hit=block)
+        reported = labels.get("prefix_match_unit")
+        if reported != str(mode.prefix_match_unit):
+            raise AssertionError(
+                f"server reports prefix_match_unit={reported!r}, "
+                f"expected {mode.prefix_match_unit}"
+            )
+        return cls(block=block, hit=mode.prefix_match_unit)
+
+
+@dataclass(frozen=True)
+class Known:
+    """A cell that cannot pass, and the text its failure must contain.
+
+    ``kind`` is "xfail" for a vLLM bug (the cell runs, must fail with
+    ``evidence``, and fails loudly if it passes) or "unsupported" for a
+    feature the platform does not implement (the server must refuse with
+    ``evidence``; the cell then skips with ``reason``). ``geometry`` is the
+    (block, hit unit) its servers reported where the failure was seen, for a
+    failure that depends on it; None where it does not.
+
+    How a failure is confirmed, cheapest first: ``confirmed_by`` names the
+    one case that confirms a failure several cells share (this cell then
+    skips without a run); ``at_config`` says vLLM refuses while it builds its
+    config, so the refusal is confirmed by building the config in-process
+    from the servers' own arguments, and the servers only start if it builds.
+    """
+
+    kind: str
+    reason: str
+    evidence: str
+    geometry: tuple[int, int] | None = None
+    confirmed_by: str | None = None
+    at_config: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("xfail", "unsupported"):
+            raise ValueError(f"unknown kind of known failure: {self.kind!r}")
+        if self.at_config and self.kind != "unsupported":
+            raise ValueError("only a refusal can be confirmed at config time")
+
+    def applies(self, units: "Units | None") -> bool:
+        if self.geometry is None:
+            return True
+        return units is not None and (units.block, units.hit) == self.geometry
+
+
+def select_known(entries: Sequence[Known], units: "Units | None") -> Known | None:
+    """The entry of ``entries`` that applies where the case's servers
+    reported ``units`` (None: no server answered), if any."""
+    found = [known for known in entries if known.applies(units)]
+    if len(found) > 1:
+        raise ValueError(f"several known failures apply at {units}: {found}")
+    return found[0] if found else None

@@ -1,0 +1,208 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The counter rule: what a server's prefix-cache and request counters must
+have moved by, given the usage its completions reported (:class:`Ledger`,
+:func:`counter_problems`) and the route every request takes
+(:func:`expected_requests`). Pure: the client reads ``/metrics`` and hands
+the deltas here."""
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from tests.models.hybrid_prefix_cache.harness.deployment import (
+    PD_PREFILL_BACKOFF,
+    Mode,
+)
+from tests.models.hybrid_prefix_cache.harness.oracle import Turn
+
+# Prometheus counters the oracle reconciles, by role.
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
+EXTERNAL_QUERIES = "vllm:external_prefix_cache_queries_total"
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
+NIXL_TRANSFERS = "vllm:nixl_xfer_time_seconds_count"
+NIXL_BYTES = "vllm:nixl_bytes_transferred_sum"
+SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
+REQUESTS_DONE = "vllm:request_success_total"
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """What a server's prefix-cache counters must have moved by, summed
+    over the completions it answered (see :func:`ledger_entry`)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0  # as usage reported them
+    cached_tokens: int = 0  # as usage reported them
+    queries: int = 0  # the prompt tokens the engine's scheduler saw
+    held: int = 0  # of those, the tokens it did not compute (local + external)
+
+    def __add__(self, other: "Ledger") -> "Ledger":
+        return Ledger(
+            *(a + b for a, b in zip(vars(self).values(), vars(other).values()))
+        )
+
+    def __sub__(self, other: "Ledger") -> "Ledger":
+        return Ledger(
+            *(a - b for a, b in zip(vars(self).values(), vars(other).values()))
+        )
+
+
+def ledger_entry(
+    prompt_tokens: int, cached_tokens: int, kv_transfer_params: Mapping | None
+) -> Ledger:
+    """One completion's share of its server's counters, by its role.
+
+    vLLM counts a request once, when it is admitted with a prefix-cache
+    lookup (v1/core/sched/scheduler.py, Scheduler.schedule): the local
+    counters take its tokens and local hit (KVCacheManager.
+    record_prefix_cache_stats), the external ones, on a server with a KV
+    connector, its tokens less the local hit and the connector's hit.
+    Usage's cached_tokens is the local plus the external hit (v1/metrics/
+    stats.py, PrefillStats.set), except on a P/D decoder, where it is the
+    prefiller's hit that the transfer carried (remote_prefill_cached_tokens,
+    v1/engine/output_processor.py). So:
+
+    * an ordinary request (also a P/D recompute on the decoder alone): the
+      engine saw the prompt, and held the cached tokens;
+    * a P/D prefill leg: the engine saw the prompt less PD_PREFILL_BACKOFF,
+      and held the cached tokens;
+    * a P/D decode leg: the engine saw the whole prompt, and held all but
+      the PD_PREFILL_BACKOFF tokens (its own hit plus what NIXL loaded).
+    """
+    params = kv_transfer_params or {}
+    queries, held = prompt_tokens, cached_tokens
+    if params.get("do_remote_decode"):
+        queries = prompt_tokens - PD_PREFILL_BACKOFF
+    elif params.get("do_remote_prefill"):
+        held = prompt_tokens - PD_PREFILL_BACKOFF
+    return Ledger(1, prompt_tokens, cached_tokens, queries, held)
+
+
+def counter_problems(
+    name: str,
+    moved: Mapping[str, float | None],
+    ledger: Ledger,
+    prefix_caching: bool,
+    connector: bool,
+) -> list[str]:
+    """Every way one server's counter deltas ``moved`` disagree with the
+    ``ledger`` of the completions it answered (see :func:`ledger_entry`):
+
+    * ``prefix_cache_queries`` moved by the tokens its engine saw (by none
+      without prefix caching: KVCacheManager.record_prefix_cache_stats skips
+      a request whose lookup is disabled);
+    * ``prefix_cache_hits`` plus ``external_prefix_cache_hits`` moved by the
+      tokens it held: usage counts a connector's hit (an offload tier, a
+      store, a NIXL transfer) where only the external counter does;
+    * with a KV connector, ``external_prefix_cache_queries`` moved by the
+      tokens seen less the local hits.
+    """
+
+    def value(key: str) -> float:
+        return moved.get(key) or 0.0
+
+    problems = []
+    queries = ledger.queries if prefix_caching else 0
+    if value(PREFIX_QUERIES) != queries:
+        problems.append(
+            f"{name} server: {PREFIX_QUERIES} moved by {value(PREFIX_QUERIES):g}, "
+            f"but its engine saw {queries} prompt tokens in {ledger.requests} "
+            f"completions (usage: {ledger.prompt_tokens})"
+        )
+    hits = value(PREFIX_HITS) + value(EXTERNAL_HITS)
+    if hits != ledger.held:
+        problems.append(
+            f"{name} server: {PREFIX_HITS} ({value(PREFIX_HITS):g}) plus "
+            f"{EXTERNAL_HITS} ({value(EXTERNAL_HITS):g}) moved by {hits:g}, but "
+            f"its {ledger.requests} completions held {ledger.held} tokens (usage "
+            f"reported {ledger.cached_tokens} cached): usage and the server's "
+            f"own counters disagree"
+        )
+    external = ledger.queries - value(PREFIX_HITS)
+    if connector and value(EXTERNAL_QUERIES) != external:
+        problems.append(
+            f"{name} server: {EXTERNAL_QUERIES} moved by "
+            f"{value(EXTERNAL_QUERIES):g}, expected {external:g}: the tokens "
+            f"its engine saw less its local hits"
+        )
+    return problems
+
+
+def _delta(after: float | None, before: float | None) -> float | None:
+    return None if after is None or before is None else after - before
+
+
+def expected_requests(num_servers: int, turns: Sequence["Turn"]) -> list[int]:
+    """How many completions each server of a case must have finished: every
+    turn's request goes through the deployment (a prefill leg on the
+    prefiller, a decode leg on the decoder), and its recompute to the
+    decoder alone, which computes the whole prompt itself."""
+    recomputes = sum(1 for turn in turns if turn.recompute is not None)
+    if num_servers == 1:
+        return [len(turns) + recomputes]
+    return [len(turns), len(turns) + recomputes]
+
+
+def counter_deltas(
+    now: Mapping[str, float | None], before: Mapping[str, float | None]
+) -> dict[str, float | None]:
+    """How far each counter moved from ``before`` to ``now`` (None for a
+    counter the server does not export)."""
+    return {key: _delta(now[key], before[key]) for key in now}
+
+
+def server_problems(
+    name: str,
+    moved: Mapping[str, float | None],
+    ledger: Ledger,
+    *,
+    prefix_caching: bool,
+    connector: bool,
+    route: int | None,
+) -> list[str]:
+    """Every way one server's counter deltas ``moved`` disagree with what its
+    completions reported (:func:`counter_problems`) or with ``route``, the
+    completions it must have answered (:func:`expected_requests`; None for a
+    server the harness did not start, held to vLLM's own request_success
+    count instead)."""
+    found = counter_problems(
+        name, moved, ledger, prefix_caching=prefix_caching, connector=connector
+    )
+    done = moved[REQUESTS_DONE] or 0.0
+    if route is not None and ledger.requests != route:
+        found.append(
+            f"{name} server: answered {ledger.requests} completions, "
+            f"expected {route} (each turn through the "
+            f"deployment, each recompute on the decoder alone)"
+        )
+    elif done != ledger.requests:
+        found.append(
+            f"{name} server: {REQUESTS_DONE} moved by {done:g}, but it "
+            f"answered {ledger.requests} completions"
+        )
+    return found
+
+
+def server_deltas(ledger: Ledger, moved: Mapping[str, float | None]) -> dict:
+    """One server's entry of a case's metrics deltas: its completions'
+    ledger beside its counters' deltas."""
+    return {
+        "requests": ledger.requests,
+        "usage_prompt_tokens": ledger.prompt_tokens,
+        "usage_cached_tokens": ledger.cached_tokens,
+        "engine_queries": ledger.queries,
+        "engine_held": ledger.held,
+        **moved,
+    }
+
+
+def drafter_problems(mode: Mode, drafts: float) -> list[str]:
+    """A speculative mode whose servers drafted nothing (``drafts``, their
+    SPEC_DRAFTS deltas summed) would pass vacuously."""
+    if mode.spec is not None and drafts <= 0:
+        return [
+            f"speculative mode, but {SPEC_DRAFTS} did not grow: the drafter "
+            f"never ran, so the case would pass vacuously"
+        ]
+    return []

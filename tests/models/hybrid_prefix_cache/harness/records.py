@@ -1,0 +1,176 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""A case's record: what it observed (:class:`CaseRecord`), its turn table,
+its JSON report and reproducer (:func:`reported_case`), and the session's
+summary of every case (:data:`SUMMARY`)."""
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import pytest
+
+from tests.models.hybrid_prefix_cache.harness.client import (
+    MAX_TOKENS,
+    PREFILL_KV_TRANSFER_PARAMS,
+)
+from tests.models.hybrid_prefix_cache.harness.clock import CLOCK, PhaseClock
+from tests.models.hybrid_prefix_cache.harness.conversation import Play
+from tests.models.hybrid_prefix_cache.harness.deployment import Units
+from tests.models.hybrid_prefix_cache.harness.oracle import (
+    NUM_LOGPROBS,
+    Sample,
+    Turn,
+    first_divergence,
+)
+from tests.models.hybrid_prefix_cache.harness.servers import report_folder
+from tests.models.hybrid_prefix_cache.reproducer import serve_info, update_reproducer
+
+
+def format_table(case_id: str, units: Units | None, turns: Sequence[Turn]) -> str:
+    """The turn table of one case."""
+    geometry = f"hit unit {units.hit}, block {units.block}" if units else "no geometry"
+    lines = [
+        f"== {case_id}: {geometry}",
+        f"{'conversation':<14} {'turn':>6} {'prompt':>6} {'expected':>8} "
+        f"{'cached':>6} {'bound':>6} {'recompute':>9} {'tokens':>6} "
+        f"{'max|dlp|':>9} {'s':>5}  verdict",
+    ]
+    for turn in turns:
+        out, rec = turn.output, turn.recompute
+        same = "same" if out and rec and out.token_ids == rec.token_ids else "DIFF"
+        diff = turn.max_logprob_diff
+        verdict = "FAIL" if turn.problems else "notice" if turn.notices else "ok"
+        lines.append(
+            f"{turn.conversation or '-':<14} "
+            f"{'resend' if turn.resend else turn.index:>6} {turn.prompt_len:>6} "
+            f"{turn.expected:>8} {out.cached_tokens if out else '-':>6} "
+            f"{turn.bound:>6} {rec.cached_tokens if rec else '-':>9} "
+            f"{same if rec else '-':>6} "
+            f"{'-' if diff is None else f'{diff:.3g}':>9} {turn.seconds:>5.1f}  "
+            f"{verdict}"
+        )
+    return "\n".join(lines)
+
+
+@dataclass
+class CaseRecord:
+    """What one case observed, for its table, its JSON record and its
+    verdict."""
+
+    case_id: str
+    units: Units | None = None
+    turns: list[Turn] = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    notices: list[str] = field(default_factory=list)
+    startup_seconds: list[float] = field(default_factory=list)
+    reused: bool | None = None  # None: no servers (their start failed)
+    seconds: float = 0.0
+    phases: PhaseClock = field(default_factory=PhaseClock, repr=False)
+    outcome: str = ""
+    # The summary's word where a known-failure table judged the outcome:
+    # known xfail, known refusal, or FAIL (stale table, XPASS); else outcome.
+    verdict: str = ""
+    play: Play | None = field(default=None, repr=False)  # for the reproducer
+
+    def as_json(self) -> dict:
+        def sample(s: Sample | None) -> dict | None:
+            if s is None:
+                return None
+            return {
+                "token_ids": s.token_ids,
+                "token_logprobs": s.token_logprobs,
+                "cached_tokens": s.cached_tokens,
+                "prompt_tokens": s.prompt_tokens,
+            }
+
+        return {
+            "case_id": self.case_id,
+            "outcome": self.outcome,
+            "seconds": round(self.seconds, 2),
+            "phase_seconds": {
+                name: round(seconds, 2) for name, seconds in self.phases.seconds.items()
+            },
+            "server_startup_seconds": [round(s, 2) for s in self.startup_seconds],
+            "servers_reused": self.reused,
+            "units": None if self.units is None else vars(self.units),
+            "turns": [
+                {
+                    "conversation": t.conversation,
+                    "turn": "resend" if t.resend else t.index,
+                    "prompt_len": t.prompt_len,
+                    "prev_len": t.prev_len,
+                    "expected": t.expected,
+                    "bound": t.bound,
+                    "cached": t.output.cached_tokens if t.output else None,
+                    "max_logprob_diff": t.max_logprob_diff,
+                    "divergence": (
+                        first_divergence(t.output, t.recompute)
+                        if t.output and t.recompute
+                        else None
+                    ),
+                    "seconds": round(t.seconds, 2),
+                    "hit": sample(t.output),
+                    "recompute": sample(t.recompute),
+                    "problems": t.problems,
+                    "notices": t.notices,
+                    "salt": t.salt,
+                    "prompt": t.prompt,
+                }
+                for t in self.turns
+            ],
+            "metrics_deltas": self.metrics,
+            "problems": self.problems,
+            "notices": self.notices,
+            "serve": serve_info(
+                self.play, MAX_TOKENS, NUM_LOGPROBS, PREFILL_KV_TRANSFER_PARAMS
+            ),
+        }
+
+
+# Every case of the session, for the summary table the conftest prints.
+SUMMARY: list[CaseRecord] = []
+
+
+@contextlib.contextmanager
+def reported_case(case_id: str) -> Iterator[CaseRecord]:
+    """Print the case's turn table and write its JSON record however it
+    ends; fail on any problem."""
+    record = CaseRecord(case_id)
+    start = time.monotonic()
+    clock = CLOCK.set(record.phases)
+    try:
+        yield record
+    except BaseException as e:
+        if isinstance(e, pytest.skip.Exception):
+            record.outcome = "skipped"
+        elif isinstance(e, pytest.xfail.Exception):
+            record.outcome = "xfail"
+        else:
+            record.outcome = f"error: {type(e).__name__}"
+            e.case_record = record  # for expect_known
+        raise
+    finally:
+        CLOCK.reset(clock)
+        record.seconds = time.monotonic() - start
+        problems = [p for turn in record.turns for p in turn.problems]
+        problems += record.problems
+        if not record.outcome:
+            record.outcome = "FAIL" if problems else "pass"
+        print("\n" + format_table(case_id, record.units, record.turns))
+        for notice in [n for t in record.turns for n in t.notices] + record.notices:
+            print(f"notice: {notice}")
+        for problem in record.problems:
+            print(f"problem: {problem}")
+        SUMMARY.append(record)
+        path = report_folder() / f"{case_id}.json"
+        data = record.as_json()
+        path.write_text(json.dumps(data, indent=1))
+        update_reproducer(data, report_folder())  # <case_id>.repro.py on FAIL
+    if problems:
+        failure = AssertionError(f"{case_id}:\n" + "\n".join(problems))
+        failure.case_record = record  # for expect_known
+        raise failure

@@ -1,0 +1,336 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Server lifecycle: one ``vllm serve`` process with its log
+(:class:`Server`), the servers of a deployment (:func:`server_specs`,
+:func:`start_servers`, :func:`serve`), their reuse across cases
+(:class:`ServerPool`), and the report folder their logs go to."""
+
+import contextlib
+import os
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+from tests.models.hybrid_prefix_cache.harness.clock import phase
+from tests.models.hybrid_prefix_cache.harness.deployment import (
+    Binding,
+    Deployment,
+    Mode,
+    device_ranges,
+    server_args,
+)
+from tests.models.hybrid_prefix_cache.harness.reconcile import Ledger
+from tests.utils import (
+    RemoteOpenAIServer,
+    _redact_sensitive_cli_args,
+    _sanitize_pythonpath_env,
+)
+from vllm.utils.network_utils import get_open_port
+
+HEALTH_POLL_INTERVAL = 0.5
+LOG_TAIL_LINES = 60
+# Environment of every instance of a P/D deployment: hybrid models transfer
+# their conv state in the DS layout.
+PD_ENV = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
+# Where every case writes its JSON record. The folder is here, with the
+# servers, because every server writes its log into it (log_folder).
+REPORT_DIR_ENV = "HYBRID_PC_REPORT_DIR"
+
+
+def report_folder(create: bool = True) -> Path:
+    folder = Path(os.environ.get(REPORT_DIR_ENV, "hybrid-prefix-cache-report"))
+    if create:
+        folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+class ServerError(AssertionError):
+    """A server failed to start, died, or did not answer. ``log`` is the
+    server's whole log, where the message quotes only its tail."""
+
+    def __init__(self, message: str, log: str = "") -> None:
+        super().__init__(message)
+        self.log = log
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """Everything that makes one ``vllm serve`` process what it is. Two
+    equal specs serve the same thing; that is what server reuse keys on."""
+
+    name: str
+    model: str
+    args: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    # A NIXL instance needs its own side-channel port, drawn at start.
+    side_channel_port: bool = False
+    # What the counter rule (counter_problems) needs to know of the server.
+    prefix_caching: bool = True
+    connector: bool = False
+
+
+def server_specs(
+    binding: Binding, deployment: Deployment, mode: Mode
+) -> tuple[ServerSpec, ...]:
+    """The servers of ``deployment`` in ``mode``, prefiller first."""
+    names = ("serve",) if deployment.prefill is None else ("prefill", "decode")
+    specs = []
+    for name, instance, devices in zip(
+        names, deployment.instances, device_ranges(deployment)
+    ):
+        env = {**binding.env, **instance.env}
+        if deployment.offload:
+            env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache
+        if deployment.prefill is not None:
+            env.update(PD_ENV)
+            if binding.visible_devices_env is not None:
+                env[binding.visible_devices_env] = ",".join(map(str, devices))
+        specs.append(
+            ServerSpec(
+                name=name,
+                model=binding.model,
+                args=tuple(server_args(binding, instance, mode)),
+                env=tuple(sorted(env.items())),
+                side_channel_port=deployment.prefill is not None,
+                prefix_caching=instance.prefix_caching,
+                connector=instance.kv_config is not None,
+            )
+        )
+    return tuple(specs)
+
+
+def log_folder() -> Path:
+    folder = report_folder() / "server-logs"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+# Every server this process launched, for leak checks.
+LAUNCHED: list["Server"] = []
+
+
+class Server(RemoteOpenAIServer):
+    """``vllm serve`` with its output in a log file (echoed to stdout, each
+    line prefixed with the server's name), a health wait that the caller
+    runs (so several servers can start at once), and a ledger of the usage
+    its completions reported."""
+
+    def __init__(
+        self, spec: ServerSpec, startup_timeout: float, port: int | None = None
+    ) -> None:
+        self.spec = spec
+        self.startup_timeout = startup_timeout
+        self.log_path = log_folder() / f"{spec.name}-{uuid.uuid4().hex[:8]}.log"
+        self.launched = time.monotonic()
+        self.startup_seconds: float | None = None
+        self.ledger = Ledger()
+        self._ledger_lock = threading.Lock()
+        # Every process seen in the server's group while it ran.
+        self.seen_pids: set[int] = set()
+        env = dict(spec.env)
+        if spec.side_channel_port:
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(get_open_port())
+        args = list(spec.args) + ([] if port is None else ["--port", str(port)])
+        super().__init__(
+            spec.model,
+            args,
+            env_dict=env,
+            auto_port=port is None,
+            max_wait_seconds=startup_timeout,
+        )
+
+    def _start_server(
+        self, model: str, vllm_serve_args: list[str], env_dict: dict[str, str] | None
+    ) -> None:
+        env = os.environ.copy()
+        # The test process may have initialized a device; never fork it.
+        env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        env.update(env_dict or {})
+        _sanitize_pythonpath_env(env)
+        command = ["vllm", "serve", model, *vllm_serve_args]
+        # What is shown (here, and in every failure) hides secrets in the
+        # arguments, as RemoteOpenAIServer._start_server does.
+        self.command = _redact_sensitive_cli_args(command)
+        print(f"[{self.spec.name}] {' '.join(self.command)}  (log: {self.log_path})")
+        log = open(self.log_path, "wb")  # noqa: SIM115 - closed by the copier
+        try:
+            self.proc = subprocess.Popen(
+                command,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                # Its own process group, so the whole tree can be killed.
+                start_new_session=True,
+            )
+        except BaseException:
+            log.close()
+            raise
+        self.seen_pids.add(self.proc.pid)
+        LAUNCHED.append(self)
+        threading.Thread(
+            target=self._copy_output, args=(log,), daemon=True, name="server-log"
+        ).start()
+
+    def _copy_output(self, log) -> None:
+        prefix = f"[{self.spec.name}] ".encode()
+        assert self.proc.stdout is not None
+        with log:
+            for line in self.proc.stdout:
+                log.write(line)
+                log.flush()
+                with contextlib.suppress(OSError):
+                    os.write(1, prefix + line)
+
+    def _wait_for_server(self, *, url: str, timeout: float) -> None:
+        # Deferred: start_servers() waits, for one or several servers.
+        self.health_url = url
+
+    def pids(self) -> list[int]:
+        """The live processes of this server's process group (remembered in
+        ``seen_pids``)."""
+        pids = self._find_pgid_members(self.proc.pid)
+        self.seen_pids.update(pids)
+        return pids
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError as e:
+            return f"(no log: {e})"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def error(self, what: str) -> ServerError:
+        """A :class:`ServerError` about this server, with its log."""
+        try:
+            log = self.log_path.read_text(errors="replace")
+        except OSError:
+            log = ""
+        return ServerError(self.failure(what), log)
+
+    def failure(self, what: str) -> str:
+        """A message about this server that quotes its log tail."""
+        tail = self.log_tail()
+        hint = ""
+        if "Address already in use" in tail or "address already in use" in tail:
+            hint = f" (port {self.port} is already in use)"
+        return (
+            f"the {self.spec.name} server {what}{hint}.\n"
+            f"command: {' '.join(self.command)}\n"
+            f"last {LOG_TAIL_LINES} lines of {self.log_path}:\n{tail}"
+        )
+
+    def record(self, entry: "Ledger") -> None:
+        with self._ledger_lock:
+            self.ledger = self.ledger + entry
+
+
+def _healthy(server: Server) -> bool:
+    try:
+        return requests.get(server.health_url, timeout=5).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def wait_healthy(servers: Sequence[Server]) -> None:
+    """Wait until every server answers /health; raise, quoting the log of
+    the first that exits or outlasts its startup timeout."""
+    pending = [server for server in servers if server.startup_seconds is None]
+    while pending:
+        for server in list(pending):
+            code = server.proc.poll()
+            if code is not None:
+                raise server.error(f"exited with code {code} during startup")
+            if _healthy(server):
+                server.startup_seconds = time.monotonic() - server.launched
+                server.pids()
+                print(f"[{server.spec.name}] healthy in {server.startup_seconds:.1f} s")
+                pending.remove(server)
+            elif time.monotonic() - server.launched > server.startup_timeout:
+                raise server.error(
+                    f"did not become healthy within {server.startup_timeout:.0f} s"
+                )
+        if pending:
+            time.sleep(HEALTH_POLL_INTERVAL)
+
+
+def start_servers(
+    specs: Sequence[ServerSpec], startup_timeout: float, concurrent: bool
+) -> list[Server]:
+    """Start ``specs`` (at once, or each after the previous is healthy) and
+    wait until all are healthy. If any fails, every server started so far is
+    stopped before the error propagates."""
+    servers: list[Server] = []
+    try:
+        for spec in specs:
+            servers.append(Server(spec, startup_timeout))
+            if not concurrent:
+                wait_healthy(servers[-1:])
+        wait_healthy(servers)
+    except BaseException:
+        RemoteOpenAIServer.shutdown_many(servers)
+        raise
+    return servers
+
+
+@contextlib.contextmanager
+def serve(
+    binding: Binding, deployment: Deployment, mode: Mode
+) -> Iterator[list[Server]]:
+    """Serve every instance of ``deployment`` (prefiller first); shut them
+    down together however the block ends."""
+    servers = start_servers(
+        server_specs(binding, deployment, mode),
+        binding.startup_timeout,
+        binding.concurrent_start,
+    )
+    try:
+        yield servers
+    finally:
+        RemoteOpenAIServer.shutdown_many(servers)
+
+
+class ServerPool:
+    """Keeps the servers of the last deployment running for the next case
+    that needs exactly the same ones (same model, arguments, environment).
+
+    At most one deployment runs at a time; asking for another stops it.
+    """
+
+    def __init__(self) -> None:
+        self._specs: tuple[ServerSpec, ...] | None = None
+        self._servers: list[Server] = []
+        self.starts = 0
+        self.reuses = 0
+        self.startup_seconds: list[float] = []
+
+    def acquire(
+        self, binding: Binding, deployment: Deployment, mode: Mode
+    ) -> list[Server]:
+        specs = server_specs(binding, deployment, mode)
+        alive = all(server.proc.poll() is None for server in self._servers)
+        if specs == self._specs and alive:
+            self.reuses += 1
+            return self._servers
+        self.close()
+        with phase("start"):
+            servers = start_servers(
+                specs, binding.startup_timeout, binding.concurrent_start
+            )
+        self._specs, self._servers = specs, servers
+        self.starts += len(servers)
+        self.startup_seconds += [s.startup_seconds or 0.0 for s in servers]
+        return servers
+
+    def close(self) -> None:
+        servers, self._servers, self._specs = self._servers, [], None
+        with phase("stop"):
+            RemoteOpenAIServer.shutdown_many(servers)
+
+
+POOL = ServerPool()
