@@ -28,8 +28,8 @@ from tests.models.hybrid_prefix_cache.cpu_binding import (
 from tests.models.hybrid_prefix_cache.cpu_known import (
     CASES,
     concurrent_shapes,
-    core_shortage,
     confirm_at_config,
+    core_shortage,
     known_entries,
 )
 from tests.models.hybrid_prefix_cache.harness import Binding, expect_known, run_case

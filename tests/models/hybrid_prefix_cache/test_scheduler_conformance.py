@@ -29,10 +29,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.models.hybrid_prefix_cache import harness
-from tests.models.hybrid_prefix_cache import scheduler_replay as replay
 from tests.models.hybrid_prefix_cache import cpu_binding as cpu
-from tests.models.hybrid_prefix_cache import cpu_known
+from tests.models.hybrid_prefix_cache import cpu_known, harness
+from tests.models.hybrid_prefix_cache import scheduler_replay as replay
 from tests.models.hybrid_prefix_cache.tiny_hybrid import (
     TinyHybrid,
     write_tiny_hybrid,
