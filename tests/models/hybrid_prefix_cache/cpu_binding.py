@@ -17,6 +17,9 @@ from tests.models.hybrid_prefix_cache.harness import (
     Instance,
     Mode,
     Units,
+    cpu_offload,
+    kv_connector,
+    multi_connector,
 )
 from tests.models.hybrid_prefix_cache.tiny_hybrid import TinyHybrid
 from vllm.platforms import current_platform
@@ -63,31 +66,15 @@ IN_PROCESS = {
 }
 # NIXL on the CPU backend: KV buffers in host memory, and a lease long
 # enough for a slow 2-core machine (the default 30 s expired mid-run).
-NIXL = {
-    "kv_connector": "NixlConnector",
-    "kv_role": "kv_both",
-    "kv_buffer_device": "cpu",
-    "kv_connector_extra_config": {"kv_lease_duration": 600},
-}
+NIXL = kv_connector("NixlConnector", {"kv_lease_duration": 600}, kv_buffer_device="cpu")
 # Each P/D instance keeps a NIXL thread busy; with each one bound to a core
 # of its own, a P/D turn took 3.5 s to prefill and 0.7 s to decode, against
 # 12-37 s and 4-9 s for two in-process instances sharing both cores.
 PREFILL_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "0"}
 DECODE_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "1"}
 TP2_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-OFFLOAD = {
-    "kv_connector": "SimpleCPUOffloadConnector",
-    "kv_role": "kv_both",
-    "kv_connector_extra_config": {
-        "cpu_bytes_to_use_per_rank": 1 << 30,
-        "lazy_offload": False,
-    },
-}
-NIXL_OFFLOAD = {
-    "kv_connector": "MultiConnector",
-    "kv_role": "kv_both",
-    "kv_connector_extra_config": {"connectors": [NIXL, OFFLOAD]},
-}
+OFFLOAD = cpu_offload(1 << 30)
+NIXL_OFFLOAD = multi_connector(NIXL, OFFLOAD)
 # A drafter that needs no weights.
 NGRAM = {
     "method": "ngram",

@@ -29,8 +29,11 @@ from tests.models.hybrid_prefix_cache.harness import (
     Instance,
     Known,
     Mode,
+    cpu_offload,
     expect_known,
+    kv_connector,
     matrix_params,
+    multi_connector,
     run_case,
     run_resend,
     servers_mark,
@@ -70,31 +73,15 @@ DSPARK = {
     "rejection_sample_method": "block",
 }
 
-NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+NIXL = kv_connector("NixlConnector")
 # SimpleCPUOffloadConnector as the Kimi-K3 recipe configures it.
-OFFLOAD = {
-    "kv_connector": "SimpleCPUOffloadConnector",
-    "kv_role": "kv_both",
-    "kv_connector_extra_config": {
-        "cpu_bytes_to_use_per_rank": 32 * GiB,
-        "lazy_offload": False,
-    },
-}
-NIXL_OFFLOAD = {
-    "kv_connector": "MultiConnector",
-    "kv_role": "kv_both",
-    "kv_connector_extra_config": {"connectors": [NIXL, OFFLOAD]},
-}
-MOONCAKE_STORE = {
-    "kv_connector": "MooncakeStoreConnector",
-    "kv_role": "kv_both",
-    "kv_load_failure_policy": "recompute",
-    "kv_connector_extra_config": {
-        "load_async": True,
-        "lookup_async": True,
-        "enable_cross_layers_blocks": False,
-    },
-}
+OFFLOAD = cpu_offload(32 * GiB)
+NIXL_OFFLOAD = multi_connector(NIXL, OFFLOAD)
+MOONCAKE_STORE = kv_connector(
+    "MooncakeStoreConnector",
+    {"load_async": True, "lookup_async": True, "enable_cross_layers_blocks": False},
+    kv_load_failure_policy="recompute",
+)
 # The store's transfer engine, as upstream's test runs it on B200: RDMA on
 # the NIC named by MOONCAKE_DEVICE_NAME, 4 GiB of registered memory per
 # region, 4GB/1GB segments, and a 60 s lease so that a resend finds its

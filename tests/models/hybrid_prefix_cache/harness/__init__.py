@@ -121,7 +121,10 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (  # noqa: F401
     Known,
     Mode,
     Units,
+    cpu_offload,
     device_ranges,
+    kv_connector,
+    multi_connector,
     select_known,
     server_args,
 )

@@ -69,6 +69,29 @@ class Mode:
         return args
 
 
+def kv_connector(name: str, extra: Mapping | None = None, **fields) -> dict:
+    """An instance's ``--kv-transfer-config``: connector ``name`` in role
+    kv_both, with top-level ``fields`` and ``kv_connector_extra_config``
+    ``extra``. Both tiers build every connector with it and the helpers
+    below; they differ only in the parameters."""
+    config = {"kv_connector": name, "kv_role": "kv_both", **fields}
+    if extra is not None:
+        config["kv_connector_extra_config"] = dict(extra)
+    return config
+
+
+def cpu_offload(bytes_per_rank: int) -> dict:
+    """SimpleCPUOffloadConnector with ``bytes_per_rank`` of host memory per
+    rank, storing eagerly (as the Kimi-K3 recipe configures it)."""
+    extra = {"cpu_bytes_to_use_per_rank": bytes_per_rank, "lazy_offload": False}
+    return kv_connector("SimpleCPUOffloadConnector", extra)
+
+
+def multi_connector(*connectors: Mapping) -> dict:
+    """MultiConnector over ``connectors``, in that order."""
+    return kv_connector("MultiConnector", {"connectors": list(connectors)})
+
+
 @dataclass(frozen=True)
 class Instance:
     """One ``vllm serve`` process, the devices it owns, and its own
