@@ -77,25 +77,25 @@ def _matrix_starts() -> tuple[int, int]:
     return without, with_reuse
 
 
+CPU_TIER_TEST = "tests/models/hybrid_prefix_cache/test_cpu_tier.py::test_prefix_cache"
+
+
 def phase_seconds(folder: Path) -> Counter:
     """Seconds of a finished session by phase (see the module docstring)."""
     session = json.loads((folder / "session.json").read_text())
+    # Each record by the test that ran it (records written before they named
+    # it: by the CPU tier's test of that case id).
     records = {}
     for path in folder.glob("*.json"):
         if path.name != "session.json":
             record = json.loads(path.read_text())
-            records[record["case_id"]] = record
-    phases: Counter = Counter(
-        {
-            "start of the process (imports)": session.get("start_seconds", 0.0),
-            "collection": session["collection_seconds"],
-        }
-    )
+            test = record.get("test") or f"{CPU_TIER_TEST}[{record['case_id']}]"
+            records[test] = record
+    phases: Counter = Counter(collection=session["collection_seconds"])
     for nodeid, test in session["tests"].items():
         phases["fixtures"] += test.get("setup", 0.0) + test.get("teardown", 0.0)
         call = test.get("call", 0.0)
-        case_id = nodeid.rsplit("[", 1)[-1].rstrip("]") if "[" in nodeid else None
-        record = records.get(case_id)
+        record = records.get(nodeid)
         if test.get("outcome") in ("skipped", "xfailed"):
             phases["confirmations of known failures"] += call
         elif record is not None:
@@ -119,7 +119,7 @@ def print_phases(folders: list[Path]) -> None:
 
 
 def _phase_order(name: str) -> tuple[int, str]:
-    first = ("start", "collection", "fixtures", "cases", "confirm", "other", "pytest")
+    first = ("collection", "fixtures", "cases", "confirm", "other", "pytest")
     rank = next((i for i, p in enumerate(first) if name.startswith(p)), len(first))
     return rank, name
 

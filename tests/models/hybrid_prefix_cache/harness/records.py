@@ -6,6 +6,7 @@ summary of every case (:data:`SUMMARY`)."""
 
 import contextlib
 import json
+import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -61,6 +62,8 @@ class CaseRecord:
     verdict."""
 
     case_id: str
+    # The pytest node that ran the case, if any (dev/benchmark_cpu_tier.py).
+    test: str = ""
     units: Units | None = None
     turns: list[Turn] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
@@ -89,6 +92,7 @@ class CaseRecord:
 
         return {
             "case_id": self.case_id,
+            "test": self.test,
             "outcome": self.outcome,
             "seconds": round(self.seconds, 2),
             "phase_seconds": {
@@ -139,7 +143,9 @@ SUMMARY: list[CaseRecord] = []
 def reported_case(case_id: str) -> Iterator[CaseRecord]:
     """Print the case's turn table and write its JSON record however it
     ends; fail on any problem."""
-    record = CaseRecord(case_id)
+    # pytest names the running test as "<node id> (<phase>)".
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    record = CaseRecord(case_id, test=test)
     start = time.monotonic()
     clock = CLOCK.set(record.phases)
     try:
