@@ -60,18 +60,20 @@ _UNSUPPORTED = {
 }
 # Found by the tail sweep; reproduced in every run, with prefill budgets of
 # 1024, 2048 (the default) and 4096 tokens, not under concurrency only. Seen
-# where the model resolves to block 128 (CPUs without AVX512-BF16); the same
-# symptom at block 256, its float32 evidence, the smallest case and its
-# reproducer are in findings/unit-minus1.md.
+# where the model resolves to block 128 (CPUs without AVX512-BF16), and by the
+# second model (block 128) on CPUs with it; the same symptom at block 256, the
+# float32 evidence, the smallest cases and their reproducers are in
+# findings/unit-minus1.md.
 _UNIT_MINUS1 = Known(
     "xfail",
     "block mode, first prompt 511 tokens (a tail of 127): at turn 2 (2065 "
     "tokens) the hit at 1280, and the resend's at 2048, give sampled "
     "logprobs 3.9e-3 away from the recompute, same tokens; every other "
-    "sweep shape is bit-exact. At block 256 the same symptom is rounding "
-    "(both sides as far from a float32 reference) of a stored state that "
-    "depends on an earlier request whose checkpoint the live engine lost, "
-    "an engine-side discrepancy not isolated: findings/unit-minus1.md",
+    "sweep shape is bit-exact. Both sides are as far from a float32 "
+    "reference: the hit restores a state that the live engine stored "
+    "differently (by rounding) after a request one token short of a block, "
+    "an engine-side path not isolated; findings/unit-minus1.md has the "
+    "evidence and a 3-request reproducer",
     evidence="unit-minus1 turn 2: sampled logprobs differ from the recompute",
     geometry=(128, 128),
 )
