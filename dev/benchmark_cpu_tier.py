@@ -66,7 +66,7 @@ def _matrix_starts() -> tuple[int, int]:
         known = cpu_known.known_entries(case_id)
         if any(k.confirmed_by or k.at_config for k in known):
             continue
-        if tier.ranks(deployment) > tier.CORES:
+        if cpu_known.core_shortage(case_id):
             continue
         servers = len(deployment.instances)
         without += servers

@@ -138,11 +138,6 @@ PD_LOGPROB_ATOL = 2 * 2**-7
 CORES = len(os.sched_getaffinity(0))
 
 
-def ranks(deployment: Deployment) -> int:
-    """How many ranks (one core each) a deployment runs."""
-    return sum(i.tp * i.dp for i in deployment.instances)
-
-
 def cpu_binding(model: TinyHybrid) -> Binding:
     """The CPU tier's binding to a written tiny model (also used by
     dev/benchmark_cpu_tier.py)."""

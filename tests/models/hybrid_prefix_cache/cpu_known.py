@@ -14,7 +14,6 @@ from tests.models.hybrid_prefix_cache.cpu_binding import (
     CORES,
     DEPLOYMENTS,
     MODES,
-    ranks,
 )
 from tests.models.hybrid_prefix_cache.harness import (
     SHAPES,
@@ -207,7 +206,8 @@ def core_shortage(case_id: str) -> str | None:
     """Why this machine cannot run a case that is not a known failure (a
     core per rank), if so."""
     case = CASES[case_id]
-    needed = ranks(DEPLOYMENTS[case.deployment])
+    # A rank per device: on CPU, a core each.
+    needed = DEPLOYMENTS[case.deployment].num_devices
     if needed > CORES and case.cell not in KNOWN:
         return f"needs a core per rank ({needed}); this machine has {CORES}"
     return None

@@ -63,12 +63,8 @@ PREFILL_KV_TRANSFER_PARAMS = {
 }
 
 
+@phase("reset")
 def reset_prefix_caches(servers: Sequence[RemoteOpenAIServer]) -> None:
-    with phase("reset"):
-        _reset_prefix_caches(servers)
-
-
-def _reset_prefix_caches(servers: Sequence[RemoteOpenAIServer]) -> None:
     """Drop every server's device prefix cache, keeping the offloaded one,
     so that the next hit must come from the CPU tier."""
     for server in servers:
