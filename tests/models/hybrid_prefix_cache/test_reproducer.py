@@ -16,7 +16,6 @@ from types import SimpleNamespace
 import pytest
 
 from tests.models.hybrid_prefix_cache import harness, reproducer, tiny_hybrid
-from tests.models.hybrid_prefix_cache.harness import records
 
 UNIT = 16
 PREFILL_PARAMS = {"do_remote_decode": True, "remote_host": None}
@@ -368,19 +367,21 @@ def sample(tokens, cached):
 
 def test_the_harness_writes_it_next_to_a_failing_record(tmp_path, monkeypatch):
     monkeypatch.setenv(harness.REPORT_DIR_ENV, str(tmp_path))
-    # Not the session's summary: patched where reported_case appends to it.
-    monkeypatch.setattr(records, "SUMMARY", [])
+    summary: list[harness.CaseRecord] = []
     stale = tmp_path / "sweep-partial.repro.py"
     stale.write_text("stale")
-    with harness.reported_case("sweep-partial") as record:
+    with harness.reported_case("sweep-partial", summary) as record:
         record.units = harness.Units(block=256, hit=UNIT)
     assert not stale.exists()  # the case passes now
-    with pytest.raises(AssertionError), harness.reported_case("sweep-partial") as rec:
+    with harness.reported_case("sweep-partial", summary) as rec:
         rec.units = harness.Units(block=256, hit=UNIT)
         turn = harness.Turn("", 1, 40, 40, 32, bound=32, prompt=[5] * 40, salt="s-1")
         turn.output, turn.recompute = sample([1, 2], 0), sample([1, 2], 0)
         turn.problems.append("turn 1: cached 0 < expected checkpoint 32")
         rec.turns.append(turn)
+    assert [r.outcome for r in summary] == ["pass", "FAIL"]
+    assert record.ok and not rec.ok
+    assert "turn 1: cached 0 < expected checkpoint 32" in rec.explain()
     data = json.loads((tmp_path / "sweep-partial.json").read_text())
     assert (data["turns"][0]["salt"], data["turns"][0]["prompt"]) == ("s-1", [5] * 40)
     assert data["serve"] is None  # no servers in this test

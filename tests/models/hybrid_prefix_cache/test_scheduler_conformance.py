@@ -16,7 +16,7 @@ move to obey the counter rule. It covers:
   and its exact resends, with the B200 geometry stated in
   :data:`KIMI_BLOCKS` (the GPU tier cannot run here); its Mooncake resend is
   listed and skips, naming what it would need;
-* every case of the CPU tier (``test_cpu_tier.CASES``: deployments x modes,
+* every case of the CPU tier (``cpu_known.MATRIX``: deployments x modes,
   the tail sweep, the concurrent conversations), with the geometry vLLM
   resolves for the tiny model on this machine.
 
@@ -329,17 +329,16 @@ def test_kimi_mooncake_resend() -> None:
 # --- the CPU tier --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case_id", list(cpu_known.CASES))
+@pytest.mark.parametrize("case_id", list(cpu_known.MATRIX.cases))
 def test_cpu_case(cpu_binding: harness.Binding, case_id: str) -> None:
-    case = cpu_known.CASES[case_id]
-    deployment = cpu.DEPLOYMENTS[case.deployment]
-    mode = cpu.MODES[case.mode]
+    case = cpu_known.MATRIX.cases[case_id]
+    deployment, mode = cpu_known.MATRIX.served(case_id)
     engines = cpu_engines(cpu_binding, deployment, mode)
     units = check_geometry(engines[0], mode)
     if case.shape is not None:
         shapes: Sequence[str] = (case.shape,)
     else:
-        shapes = cpu_known.concurrent_shapes(case, units)
+        shapes = cpu_known.MATRIX.concurrent_shapes(case_id, units)
     conversations = [
         harness.Conversation(shape, length, f"{case_id}-{shape}")
         for shape in shapes

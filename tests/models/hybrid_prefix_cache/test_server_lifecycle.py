@@ -42,6 +42,9 @@ from tests.models.hybrid_prefix_cache.harness import (
 )
 from tests.models.hybrid_prefix_cache.tiny_hybrid import write_tiny_hybrid
 
+# The Ctrl-C test runs a child pytest with pytest's own pytester.
+pytest_plugins = ["pytester"]
+
 # Real CPU servers, with the CPU tier's binding.
 pytestmark = CPU_ONLY
 
@@ -81,38 +84,34 @@ def assert_no_leftovers(servers, pids=()) -> None:
     assert not alive, f"processes left behind: {alive} of {sorted(watched)}"
 
 
-def _launched_since(mark: int) -> list[Server]:
-    return harness.LAUNCHED[mark:]
-
-
 def test_server_exits_during_startup(binding, tmp_path):
-    mark = len(harness.LAUNCHED)
+    launched: list[Server] = []
     # No config.json in the model folder; a secret in the arguments.
     secret = ("--api-key", "not-to-be-printed")
     broken = replace(binding, model=str(tmp_path), base_args=binding.base_args + secret)
     with (
         pytest.raises(ServerError, match="exited with code") as error,
-        serve(broken, PLAIN, Mode()),
+        serve(broken, PLAIN, Mode(), launched),
     ):
         pytest.fail("an empty model folder served")
     assert "last 60 lines of" in str(error.value)
     assert str(tmp_path) in str(error.value)
     assert "--api-key ***" in str(error.value)
     assert secret[1] not in str(error.value).split("last 60 lines of")[0]
-    assert_no_leftovers(_launched_since(mark))
+    assert_no_leftovers(launched)
 
 
 def test_startup_timeout(binding):
-    mark = len(harness.LAUNCHED)
+    launched: list[Server] = []
     impatient = replace(binding, startup_timeout=5.0)
     started = time.monotonic()
     with (
         pytest.raises(ServerError, match="did not become healthy within 5 s"),
-        serve(impatient, PLAIN, Mode()),
+        serve(impatient, PLAIN, Mode(), launched),
     ):
         pytest.fail("a server started in 5 s")
     assert time.monotonic() - started < 5.0 + EXIT_GRACE_SECONDS + 20
-    assert_no_leftovers(_launched_since(mark))
+    assert_no_leftovers(launched)
 
 
 def test_port_already_in_use(binding):
@@ -121,21 +120,21 @@ def test_port_already_in_use(binding):
         sock.bind(("0.0.0.0", 0))
         sock.listen()
         port = sock.getsockname()[1]
-        mark = len(harness.LAUNCHED)
+        launched: list[Server] = []
         with pytest.raises(ServerError, match=f"port {port} is already in use"):
-            server = Server(spec, binding.startup_timeout, port=port)
+            server = Server(spec, binding.startup_timeout, port, launched)
             try:
                 harness.wait_healthy([server])
             finally:
                 Server.shutdown_many([server])
-    assert_no_leftovers(_launched_since(mark))
+    assert_no_leftovers(launched)
 
 
 def test_server_killed_mid_turn(binding):
-    mark = len(harness.LAUNCHED)
+    launched: list[Server] = []
     with (
         pytest.raises(ServerError, match="exited with code -9") as error,
-        serve(binding, PLAIN, Mode()) as (server,),
+        serve(binding, PLAIN, Mode(), launched) as (server,),
     ):
         server.pids()
         # Kill the whole server while it is generating.
@@ -148,11 +147,10 @@ def test_server_killed_mid_turn(binding):
         finally:
             timer.cancel()
     assert "did not answer a completion" in str(error.value)
-    assert_no_leftovers(_launched_since(mark))
+    assert_no_leftovers(launched)
 
 
 def test_assertion_failure_in_a_case(binding):
-    mark = len(harness.LAUNCHED)
     pool = ServerPool()
     record = CaseRecord("assertion-failure")
     with (
@@ -162,77 +160,84 @@ def test_assertion_failure_in_a_case(binding):
         for server in play.servers:
             server.pids()
         raise AssertionError("injected")
-    (server,) = _launched_since(mark)
+    (server,) = pool.launched
     assert server.proc.poll() is not None, "the case's server is still running"
     assert_no_leftovers([server])
 
 
-CHILD = """
-import time
-from pathlib import Path
+# The child pytest's module: it serves the model named in the environment,
+# writes the servers' pids into the file named there, and waits for Ctrl-C.
+WAIT_FOR_CTRL_C = """
+    import os
+    import time
+    from pathlib import Path
 
-from tests.models.hybrid_prefix_cache.cpu_binding import (
-    CPU_ONLY,
-    DEPLOYMENTS,
-    cpu_binding,
-)
-from tests.models.hybrid_prefix_cache.harness import Mode, serve
-from tests.models.hybrid_prefix_cache.tiny_hybrid import TinyHybrid
+    from tests.models.hybrid_prefix_cache.cpu_binding import DEPLOYMENTS, cpu_binding
+    from tests.models.hybrid_prefix_cache.harness import Mode, serve
+    from tests.models.hybrid_prefix_cache.tiny_hybrid import TinyHybrid
 
-def test_wait_for_ctrl_c():
-    binding = cpu_binding(TinyHybrid(Path({model!r}), 2, 3))
-    with serve(binding, DEPLOYMENTS["plain"], Mode()) as s:
-        pids = sorted(pid for server in s for pid in server.pids())
-        Path({pid_file!r}).write_text(" ".join(map(str, pids)))
-        time.sleep(600)
+
+    def test_wait_for_ctrl_c():
+        model = TinyHybrid(Path(os.environ["HYBRID_PC_CTRL_C_MODEL"]), 2, 3)
+        with serve(cpu_binding(model), DEPLOYMENTS["plain"], Mode()) as servers:
+            pids = sorted(pid for server in servers for pid in server.pids())
+            pid_file = Path(os.environ["HYBRID_PC_CTRL_C_PID_FILE"])
+            pid_file.write_text(" ".join(map(str, pids)))
+            time.sleep(600)
 """
 
 
-def test_ctrl_c_of_pytest(binding, tmp_path):
-    pid_file = tmp_path / "pids"
-    child = tmp_path / "test_child.py"
-    child.write_text(
-        CHILD.format(
-            model=binding.model,
-            pid_file=str(pid_file),
+def test_ctrl_c_of_pytest(binding, pytester: pytest.Pytester, monkeypatch):
+    pid_file = pytester.path / "pids"
+    monkeypatch.setenv("HYBRID_PC_CTRL_C_MODEL", binding.model)
+    monkeypatch.setenv("HYBRID_PC_CTRL_C_PID_FILE", str(pid_file))
+    # The child runs in pytester's folder; it imports the harness as
+    # tests.models... from the checkout this file is in.
+    checkout = Path(__file__).resolve().parents[3]
+    monkeypatch.setenv("PYTHONPATH", str(checkout), prepend=os.pathsep)
+    child = pytester.makepyfile(test_child=WAIT_FOR_CTRL_C)
+    # Into a file, not a pipe: nothing reads the child's output (its servers'
+    # logs) before it ends.
+    output_file = pytester.path / "child-output.txt"
+    command = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider"]
+    with open(output_file, "w") as output:
+        proc = pytester.popen(
+            [*command, str(child)],
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
         )
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", child],
-        cwd=os.getcwd(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
     try:
         deadline = time.monotonic() + 300
         while not pid_file.exists() or not pid_file.read_text():
-            assert proc.poll() is None, f"the child pytest ended: {proc.stdout.read()}"
+            assert proc.poll() is None, (
+                f"the child pytest ended: {output_file.read_text()[-3000:]}"
+            )
             assert time.monotonic() < deadline, "the child's server did not start"
             time.sleep(0.5)
         pids = [int(p) for p in pid_file.read_text().split()]
         proc.send_signal(signal.SIGINT)
-        output, _ = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode != 0, output[-3000:]
-    assert "KeyboardInterrupt" in output, output[-3000:]
+    lines = output_file.read_text().splitlines()
+    assert proc.returncode != 0, "\n".join(lines[-60:])
+    pytest.LineMatcher(lines).fnmatch_lines(["*! KeyboardInterrupt !*"])
     assert_no_leftovers([], pids)
 
 
 def test_concurrent_start_stops_the_others_when_one_fails(binding, tmp_path):
     """Two servers started at once; one cannot start: the other is stopped
     at once, and the error is the failing one's."""
-    mark = len(harness.LAUNCHED)
+    launched: list[Server] = []
     good = server_specs(binding, PLAIN, Mode())[0]
     bad = replace(good, name="broken", model=str(tmp_path))
     started = time.monotonic()
     with pytest.raises(ServerError, match="the broken server exited"):
-        start_servers([good, bad], startup_timeout=300.0, concurrent=True)
+        start_servers([good, bad], 300.0, concurrent=True, launched=launched)
     # The good one did not get to finish its startup.
-    launched = _launched_since(mark)
     assert [s.spec.name for s in launched] == ["serve", "broken"]
     assert launched[0].startup_seconds is None
     assert time.monotonic() - started < 300

@@ -28,11 +28,11 @@ from tests.models.hybrid_prefix_cache.harness import (
     Deployment,
     Instance,
     Known,
+    Matrix,
     Mode,
+    Suite,
     cpu_offload,
-    expect_known,
     kv_connector,
-    matrix_params,
     multi_connector,
     run_case,
     run_resend,
@@ -120,7 +120,8 @@ DEPLOYMENTS = {
     ),
 }
 
-# Cells that cannot pass, per platform, by "<deployment>-<mode>". Each runs
+# Cells that cannot pass, per platform, by "<deployment>-<mode>" (the same
+# table as the CPU tier's: entries per case, each with evidence). Each runs
 # and must fail with its evidence (harness.expect_known): a fix shows as a
 # strict XPASS, and a failure for another reason as a stale table.
 _DCP_SPEC = Known(
@@ -131,9 +132,9 @@ _DCP_SPEC = Known(
     # (harness.check_turn); a crash or a lost hit is another failure.
     evidence="output differs from the recompute",
 )
-KNOWN = {
+KNOWN: dict[str, dict[str, tuple[Known, ...]]] = {
     "sm100": {
-        f"{deployment}-{mode}": _DCP_SPEC
+        f"{deployment}-{mode}": (_DCP_SPEC,)
         for deployment in ("dcp2", "dcp2-offload")
         for mode in ("block-dspark", "partial-dspark")
     },
@@ -186,28 +187,27 @@ BINDING = Binding(
     visible_devices_env=current_platform.device_control_env_var,
 )
 
-MATRIX = matrix_params(
-    DEPLOYMENTS,
-    MODES,
-    KNOWN[PLATFORM or "sm100"],
-    device_marks=lambda n: multi_gpu_marks(num_gpus=n),
-)
+MATRIX = Matrix(DEPLOYMENTS, MODES, KNOWN[PLATFORM or "sm100"])
+PARAMS = MATRIX.params(device_marks=lambda n: multi_gpu_marks(num_gpus=n))
 
 
-@pytest.mark.parametrize(("deployment", "mode"), MATRIX)
-def test_prefix_cache(request, deployment: Deployment, mode: Mode) -> None:
-    case_id = request.node.callspec.id
-    with expect_known(case_id, KNOWN[PLATFORM or "sm100"].get(case_id)) as run:
-        run.record = run_case(case_id, BINDING, deployment, mode)
+@pytest.mark.parametrize("case_id", PARAMS)
+def test_prefix_cache(hybrid_suite: Suite, case_id: str) -> None:
+    deployment, mode = MATRIX.served(case_id)
+    known = MATRIX.known_for(case_id)
+    record = run_case(hybrid_suite, case_id, BINDING, deployment, mode, known=known)
+    assert record.ok, record.explain()
 
 
 # The resends need the servers of the matrix's plain cell in RESEND_MODE, so
 # they run right after it, on the same servers.
 @servers_mark(f"plain-{RESEND_MODE}")
 @pytest.mark.parametrize("prompt_len", RESEND_LENGTHS, ids=lambda n: f"resend-{n}")
-def test_exact_resend(request, prompt_len: int) -> None:
+def test_exact_resend(request, hybrid_suite: Suite, prompt_len: int) -> None:
     case_id = f"plain-{RESEND_MODE}-{request.node.callspec.id}"
-    run_resend(case_id, BINDING, DEPLOYMENTS["plain"], MODES[RESEND_MODE], prompt_len)
+    plain, mode = DEPLOYMENTS["plain"], MODES[RESEND_MODE]
+    record = run_resend(hybrid_suite, case_id, BINDING, plain, mode, prompt_len)
+    assert record.ok, record.explain()
 
 
 def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float) -> None:
@@ -281,14 +281,16 @@ MOONCAKE_DEPLOYMENT = Deployment(
 )
 
 
-def test_mooncake_store_resend(mooncake_config: str) -> None:
+def test_mooncake_store_resend(hybrid_suite: Suite, mooncake_config: str) -> None:
     binding = replace(
         BINDING, env={**MOONCAKE_ENV, "MOONCAKE_CONFIG_PATH": mooncake_config}
     )
-    run_resend(
+    record = run_resend(
+        hybrid_suite,
         f"mooncake-{RESEND_MODE}-resend-{MOONCAKE_RESEND_LENGTH}",
         binding,
         MOONCAKE_DEPLOYMENT,
         MODES[RESEND_MODE],
         MOONCAKE_RESEND_LENGTH,
     )
+    assert record.ok, record.explain()

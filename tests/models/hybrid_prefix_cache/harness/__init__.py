@@ -11,7 +11,12 @@ same prompt under a fresh ``cache_salt``.
 This package knows nothing about any model. A tier binds it to one: a
 :class:`Binding` says which model to serve and how, frozen dataclasses say
 what to deploy (:class:`Deployment` of :class:`Instance`) and how to match
-(:class:`Mode`), and :func:`run_case` does the rest.
+(:class:`Mode`), and :func:`run_case` does the rest, on the session's
+:class:`Suite` (the plugin's fixture ``hybrid_suite``), returning a record
+the test asserts on::
+
+    record = run_case(hybrid_suite, case_id, binding, deployment, mode)
+    assert record.ok, record.explain()
 
 The oracle, per turn (:func:`check_turn`):
 
@@ -52,18 +57,22 @@ Which module owns what (each imports only the ones above it):
 * ``client``: requests (:func:`complete`, :func:`send`), cache resets,
   ``/metrics`` reads and the counter window of a case;
 * ``conversation``: conversations, their shapes, and playing turns;
-* ``records``: a case's record (:class:`CaseRecord`), its table, JSON
-  report and reproducer (:func:`reported_case`), the session's
-  :data:`SUMMARY`;
-* ``cases``: running a case (:func:`serve_case`, :func:`run_case`,
-  :func:`run_resend`) and :func:`expect_known`;
-* ``plugin``: the pytest plugin both suite conftests re-export, and the
-  collection helpers (:func:`servers_mark`, :func:`matrix_params`).
+* ``records``: a case's record (:class:`CaseRecord`, ``ok``,
+  ``explain()``), its table, JSON report and reproducer
+  (:func:`reported_case`);
+* ``cases``: a session's :class:`Suite` (server pool and records), running
+  a case (:func:`serve_case`, :func:`run_case`, :func:`run_resend`) and
+  :func:`expect_known`;
+* ``matrix``: a binding's :class:`Matrix` (its :class:`Case` list, known
+  failures and pytest params), the same for every tier, and the grouping of
+  tests that need the same servers (:func:`servers_mark`);
+* ``plugin``: the pytest plugin (:class:`SuitePlugin`, with the session
+  fixture ``hybrid_suite``) that both suite conftests register.
 
 oracle.py and reconcile.py are pure (no ``requests``, no clock): a unit test
-or the scheduler tier uses them without a server. The mutable state
-(``LAUNCHED``, ``POOL``, ``SUMMARY``) lives in its owner; the names here are
-the same objects, but to replace one (e.g. monkeypatch), patch the owner.
+or the scheduler tier uses them without a server. No module holds mutable
+state: the pool and the records belong to a :class:`Suite`, and servers are
+listed (for leak checks) in a ``launched`` list their caller passes.
 """
 
 # Every public name of the harness, for ``from ...harness import X`` and
@@ -71,6 +80,7 @@ the same objects, but to replace one (e.g. monkeypatch), patch the owner.
 from tests.models.hybrid_prefix_cache.harness.cases import (  # noqa: F401
     KNOWN_VERDICTS,
     KnownRun,
+    Suite,
     expect_known,
     run_case,
     run_resend,
@@ -128,6 +138,14 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (  # noqa: F401
     select_known,
     server_args,
 )
+from tests.models.hybrid_prefix_cache.harness.matrix import (  # noqa: F401
+    CONCURRENT,
+    SERVERS_MARK,
+    Case,
+    Matrix,
+    group_by_servers,
+    servers_mark,
+)
 from tests.models.hybrid_prefix_cache.harness.oracle import (  # noqa: F401
     FIRST_PROMPT_BLOCKS,
     FIRST_PROMPT_TAIL,
@@ -149,10 +167,7 @@ from tests.models.hybrid_prefix_cache.harness.oracle import (  # noqa: F401
     seen_lengths,
 )
 from tests.models.hybrid_prefix_cache.harness.plugin import (  # noqa: F401
-    SERVERS_MARK,
-    group_by_servers,
-    matrix_params,
-    servers_mark,
+    SuitePlugin,
 )
 from tests.models.hybrid_prefix_cache.harness.reconcile import (  # noqa: F401
     EXTERNAL_HITS,
@@ -169,17 +184,14 @@ from tests.models.hybrid_prefix_cache.harness.reconcile import (  # noqa: F401
     ledger_entry,
 )
 from tests.models.hybrid_prefix_cache.harness.records import (  # noqa: F401
-    SUMMARY,
     CaseRecord,
     format_table,
     reported_case,
 )
 from tests.models.hybrid_prefix_cache.harness.servers import (  # noqa: F401
     HEALTH_POLL_INTERVAL,
-    LAUNCHED,
     LOG_TAIL_LINES,
     PD_ENV,
-    POOL,
     REPORT_DIR_ENV,
     Server,
     ServerError,

@@ -8,7 +8,7 @@ import contextlib
 import random
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -38,61 +38,89 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (
 )
 from tests.models.hybrid_prefix_cache.harness.oracle import PlannedTurn, Turn
 from tests.models.hybrid_prefix_cache.harness.records import CaseRecord, reported_case
-from tests.models.hybrid_prefix_cache.harness.servers import POOL, ServerPool
+from tests.models.hybrid_prefix_cache.harness.servers import ServerPool
 
 # What the session's summary calls a case that failed as its table says.
 KNOWN_VERDICTS = {"xfail": "known xfail", "unsupported": "known refusal"}
 
 
 @dataclass
+class Suite:
+    """What a session's cases share, owned by the plugin's session fixture
+    ``hybrid_suite`` (or by a benchmark): the pool of reused servers, and
+    the record of every case, for the summary."""
+
+    pool: ServerPool = field(default_factory=ServerPool)
+    records: list[CaseRecord] = field(default_factory=list)
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+@dataclass
 class KnownRun:
     """What :func:`expect_known` needs of the case it wraps: its record,
-    which holds the geometry its servers reported."""
+    which holds the geometry its servers reported and its problems."""
 
     record: CaseRecord | None = None
+
+
+def _known_failure(
+    case_id: str, entry: Known, record: CaseRecord | None, text: str
+) -> None:
+    """Judge a failure of a listed case: its text must show the entry's
+    evidence (then xfail, or skip for a refusal); else the table is stale.
+    Not hidden from tracebacks: pytest reports a skip or xfail where it was
+    raised, so here rather than in contextlib."""
+    if entry.evidence not in text:
+        if record is not None:
+            record.verdict = "FAIL: stale table"
+        raise AssertionError(
+            f"{case_id} is listed as {entry.kind} ({entry.reason}) and "
+            f"failed, but without {entry.evidence!r}: update the table.\n{text}"
+        )
+    if record is not None:
+        record.verdict = KNOWN_VERDICTS[entry.kind]
+    if entry.kind == "unsupported":
+        pytest.skip(f"{entry.reason} (confirmed: {entry.evidence!r})")
+    pytest.xfail(f"{entry.reason} (seen: {entry.evidence!r})")
 
 
 @contextlib.contextmanager
 def expect_known(
     case_id: str, known: Known | Sequence[Known] | None
 ) -> Iterator[KnownRun]:
-    """Run a cell under the known-failure entry that applies to it, if any.
+    """Run a case under the known-failure entry that applies to it, if any.
 
-    A listed cell must fail, and its failure (message or the failing
-    server's log) must contain the entry's evidence; otherwise the table is
-    stale and the cell fails. Unlisted cells run as they are. An entry with a
-    geometry applies only where the case's servers reported it: the body sets
-    ``run.record`` to what :func:`run_case` returns, and a failing case
-    carries its record on the exception.
+    The body sets ``run.record``. A listed case must fail, by an exception
+    or by its record's problems, and the failure (message, problems, or the
+    failing server's log) must contain the entry's evidence; otherwise the
+    table is stale and the case fails. A listed case that passes fails as a
+    strict XPASS. An unlisted case is left to the caller: its exception
+    propagates, and its record, ok or not, is the caller's to assert. An
+    entry with a geometry applies only where the case's servers reported it.
     """
+    __tracebackhide__ = True
     entries = () if known is None else (known,) if isinstance(known, Known) else known
     run = KnownRun()
     try:
         yield run
     except Exception as e:
-        record = getattr(e, "case_record", None)
-        entry = select_known(entries, record.units if record else None)
+        entry = select_known(entries, run.record.units if run.record else None)
         if entry is None:
             raise
-        text = str(e)
-        if entry.evidence not in text + getattr(e, "log", ""):
-            if record is not None:
-                record.verdict = "FAIL: stale table"
-            raise AssertionError(
-                f"{case_id} is listed as {entry.kind} ({entry.reason}) and "
-                f"failed, but without {entry.evidence!r}: update the table.\n"
-                f"{text}"
-            ) from e
-        if record is not None:
-            record.verdict = KNOWN_VERDICTS[entry.kind]
-        if entry.kind == "unsupported":
-            pytest.skip(f"{entry.reason} (confirmed: {entry.evidence!r})")
-        pytest.xfail(f"{entry.reason} (seen: {entry.evidence!r})")
-    entry = select_known(entries, run.record.units if run.record else None)
+        try:
+            _known_failure(case_id, entry, run.record, str(e) + getattr(e, "log", ""))
+        except AssertionError as stale:
+            raise stale from e
+    record = run.record
+    entry = select_known(entries, record.units if record else None)
     if entry is None:
         return
-    if run.record is not None:
-        run.record.verdict = "FAIL: XPASS"
+    if record is not None and not record.ok:
+        _known_failure(case_id, entry, record, record.explain())
+    if record is not None:
+        record.verdict = "FAIL: XPASS"
     pytest.fail(
         f"[XPASS(strict)] {case_id} is listed as {entry.kind} "
         f"({entry.reason}) but passed: remove it from the table",
@@ -106,12 +134,13 @@ def serve_case(
     binding: Binding,
     deployment: Deployment,
     mode: Mode,
-    pool: ServerPool = POOL,
+    pool: ServerPool,
 ) -> Iterator[Play]:
     """Get the case's servers from ``pool`` (started, or reused), record
     their checkpoint geometry, and reconcile their counters at the end. A
     case that ends in an exception, rather than in recorded problems, stops
     its servers: they may be what broke."""
+    __tracebackhide__ = True
     starts = pool.starts
     servers = pool.acquire(binding, deployment, mode)
     record.reused = pool.starts == starts
@@ -135,7 +164,29 @@ def serve_case(
         raise
 
 
+def _conversations(
+    case_id: str, play: Play, shapes: Sequence[str]
+) -> list[Conversation]:
+    """The reference conversation, or one per sweep shape that exists where
+    the case's servers resolve (skip if none does)."""
+    if not shapes:
+        return [reference_conversation(play.units, case_id)]
+    lengths = {shape: shape_length(shape, play.units) for shape in shapes}
+    conversations = [
+        Conversation(shape, length, f"{case_id}-{shape}")
+        for shape, length in lengths.items()
+        if length is not None
+    ]
+    if not conversations:
+        pytest.skip(
+            f"shapes {list(shapes)} need a hit unit below the block; this "
+            f"server has hit unit {play.units.hit}, block {play.units.block}"
+        )
+    return conversations
+
+
 def run_case(
+    suite: Suite,
     case_id: str,
     binding: Binding,
     deployment: Deployment,
@@ -143,55 +194,51 @@ def run_case(
     *,
     shapes: Sequence[str] = (),
     concurrent: bool = False,
-    pool: ServerPool = POOL,
+    known: Sequence[Known] = (),
 ) -> CaseRecord:
-    """Serve ``deployment`` in ``mode`` and check its conversations: the
-    reference one, or one per sweep shape in ``shapes``, played one after
-    another or (``concurrent``) all at once.
+    """Serve ``deployment`` in ``mode`` on ``suite``'s servers and check its
+    conversations: the reference one, or one per sweep shape in ``shapes``,
+    played one after another or (``concurrent``) all at once.
 
-    The turn table is printed whether the case passes or fails.
+    Returns the case's record, whose problems the test asserts on
+    (``assert record.ok, record.explain()``); a case listed in ``known``
+    xfails, skips or fails here instead (:func:`expect_known`). The turn
+    table is printed whether the case passes or fails.
     """
+    __tracebackhide__ = True
     with (
-        reported_case(case_id) as record,
-        serve_case(record, binding, deployment, mode, pool) as play,
+        expect_known(case_id, known) as run,
+        reported_case(case_id, suite.records) as record,
     ):
-        if shapes:
-            lengths = {shape: shape_length(shape, play.units) for shape in shapes}
-            conversations = [
-                Conversation(shape, length, f"{case_id}-{shape}")
-                for shape, length in lengths.items()
-                if length is not None
-            ]
-            if not conversations:
-                pytest.skip(
-                    f"shapes {list(shapes)} need a hit unit below the block; this "
-                    f"server has hit unit {play.units.hit}, block {play.units.block}"
-                )
-        else:
-            conversations = [reference_conversation(play.units, case_id)]
-        if concurrent:
-            play.logprob_atol = binding.batched_logprob_atol
-        run_conversations(play, conversations, record.turns, concurrent)
+        # Set before the servers start: a refusal at start is judged on it.
+        run.record = record
+        with serve_case(record, binding, deployment, mode, suite.pool) as play:
+            conversations = _conversations(case_id, play, shapes)
+            if concurrent:
+                play.logprob_atol = binding.batched_logprob_atol
+            run_conversations(play, conversations, record.turns, concurrent)
     return record
 
 
 def run_resend(
+    suite: Suite,
     case_id: str,
     binding: Binding,
     deployment: Deployment,
     mode: Mode,
     prompt_len: int,
-    pool: ServerPool = POOL,
 ) -> CaseRecord:
-    """Send one prompt cold, resend it, and recompute it under a fresh salt.
+    """Send one prompt cold, resend it, and recompute it under a fresh salt,
+    on ``suite``'s servers; return the record for the test to assert on.
 
     The cold request and the recompute hit nothing; the resend hits at least
     the prompt's own checkpoint (:func:`expected_resend`, on the instance that
     consults its cache).
     """
+    __tracebackhide__ = True
     with (
-        reported_case(case_id) as record,
-        serve_case(record, binding, deployment, mode, pool) as play,
+        reported_case(case_id, suite.records) as record,
+        serve_case(record, binding, deployment, mode, suite.pool) as play,
     ):
         prompt = random_tokens(random.Random(case_id), binding.token_ids, prompt_len)
         salt = f"resend-{uuid.uuid4().hex}"

@@ -34,7 +34,6 @@ from tests.models.hybrid_prefix_cache.harness.reconcile import (
     server_problems,
 )
 from tests.models.hybrid_prefix_cache.harness.servers import Server, ServerError
-from tests.utils import RemoteOpenAIServer
 
 MAX_TOKENS = 8
 TOKEN_ID_PREFIX = "token_id:"
@@ -64,7 +63,7 @@ PREFILL_KV_TRANSFER_PARAMS = {
 
 
 @phase("reset")
-def reset_prefix_caches(servers: Sequence[RemoteOpenAIServer]) -> None:
+def reset_prefix_caches(servers: Sequence[Server]) -> None:
     """Drop every server's device prefix cache, keeping the offloaded one,
     so that the next hit must come from the CPU tier."""
     for server in servers:
@@ -84,7 +83,7 @@ def reset_prefix_caches(servers: Sequence[RemoteOpenAIServer]) -> None:
             )
 
 
-def read_metrics(server: RemoteOpenAIServer) -> dict[str, list]:
+def read_metrics(server: Server) -> dict[str, list]:
     """The server's Prometheus samples, by sample name."""
     with phase("metrics"):
         response = requests.get(server.url_for("metrics"), timeout=CONTROL_TIMEOUT)
@@ -96,7 +95,7 @@ def read_metrics(server: RemoteOpenAIServer) -> dict[str, list]:
     return samples
 
 
-def read_counters(server: RemoteOpenAIServer) -> dict[str, float | None]:
+def read_counters(server: Server) -> dict[str, float | None]:
     """The reconciled counters of one server, summed over engines; None for
     a counter the server does not export."""
     samples = read_metrics(server)
@@ -116,7 +115,7 @@ def read_counters(server: RemoteOpenAIServer) -> dict[str, float | None]:
     }
 
 
-def cache_config(server: RemoteOpenAIServer) -> dict[str, str]:
+def cache_config(server: Server) -> dict[str, str]:
     """The labels of the server's ``vllm:cache_config_info`` metric."""
     samples = read_metrics(server).get("vllm:cache_config_info")
     if not samples:
@@ -130,20 +129,18 @@ def _token_id(token: str) -> int:
     return int(token.removeprefix(TOKEN_ID_PREFIX))
 
 
-def _request_failure(server: RemoteOpenAIServer, what: str) -> ServerError:
-    if isinstance(server, Server):
-        try:  # a server that just died may take a moment to be reaped
-            code = server.proc.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            code = None
-        if code is not None:
-            what += f"; the server exited with code {code}"
-        return server.error(what)
-    return ServerError(f"{server.url_root}: {what}")
+def _request_failure(server: Server, what: str) -> ServerError:
+    try:  # a server that just died may take a moment to be reaped
+        code = server.proc.wait(timeout=2)
+    except subprocess.TimeoutExpired:
+        code = None
+    if code is not None:
+        what += f"; the server exited with code {code}"
+    return server.error(what)
 
 
 def complete(
-    server: RemoteOpenAIServer,
+    server: Server,
     model: str,
     prompt: Sequence[int],
     salt: str,
@@ -185,12 +182,10 @@ def complete(
             "the server reports no usage.prompt_tokens_details.cached_tokens; "
             "serve with --enable-prompt-tokens-details"
         )
-    if isinstance(server, Server):
-        server.record(
-            ledger_entry(
-                usage["prompt_tokens"], details["cached_tokens"], kv_transfer_params
-            )
-        )
+    entry = ledger_entry(
+        usage["prompt_tokens"], details["cached_tokens"], kv_transfer_params
+    )
+    server.record(entry)
     logprobs = choice["logprobs"]
     return Sample(
         token_ids=[_token_id(t) for t in logprobs["tokens"]],
@@ -207,7 +202,7 @@ def complete(
 
 
 def poll_counter(
-    server: RemoteOpenAIServer, name: str, done: Callable[[float], bool]
+    server: Server, name: str, done: Callable[[float], bool]
 ) -> float | None:
     """Read counter ``name`` until ``done(value)`` or the settle time ends;
     the last value read (None if the server does not export it)."""
@@ -221,7 +216,7 @@ def poll_counter(
 
 
 def send(
-    servers: Sequence[RemoteOpenAIServer],
+    servers: Sequence[Server],
     model: str,
     prompt: Sequence[int],
     salt: str,
@@ -281,20 +276,16 @@ def send(
 class Window:
     """Counters and usage ledgers of a case's servers at its start."""
 
-    servers: Sequence[RemoteOpenAIServer]
+    servers: Sequence[Server]
     counters: list[dict[str, float | None]]
     ledgers: list[Ledger]
 
 
-def _ledger(server: RemoteOpenAIServer) -> Ledger:
-    return server.ledger if isinstance(server, Server) else Ledger()
-
-
-def open_window(servers: Sequence[RemoteOpenAIServer]) -> Window:
+def open_window(servers: Sequence[Server]) -> Window:
     return Window(
         servers,
         [read_counters(server) for server in servers],
-        [_ledger(server) for server in servers],
+        [server.ledger for server in servers],
     )
 
 
@@ -309,9 +300,9 @@ def close_window(
     drafts = 0.0
     routes = expected_requests(len(window.servers), turns)
     for index, server in enumerate(window.servers):
-        spec = server.spec if isinstance(server, Server) else None
-        name = spec.name if spec else f"server{index}"
-        ledger = _ledger(server) - window.ledgers[index]
+        spec = server.spec
+        name = spec.name
+        ledger = server.ledger - window.ledgers[index]
         before = window.counters[index]
 
         def check(
@@ -321,9 +312,9 @@ def close_window(
                 name,
                 counter_deltas(now, before),
                 ledger,
-                prefix_caching=spec.prefix_caching if spec else True,
-                connector=spec.connector if spec else False,
-                route=routes[index] if spec else None,
+                prefix_caching=spec.prefix_caching,
+                connector=spec.connector,
+                route=routes[index],
             )
 
         deadline = time.monotonic() + METRICS_SETTLE_SECONDS

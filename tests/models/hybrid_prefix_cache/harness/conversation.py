@@ -36,7 +36,7 @@ from tests.models.hybrid_prefix_cache.harness.oracle import (
     plan_turns,
 )
 from tests.models.hybrid_prefix_cache.harness.reconcile import EXTERNAL_HITS
-from tests.utils import RemoteOpenAIServer
+from tests.models.hybrid_prefix_cache.harness.servers import Server
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def random_tokens(rng: random.Random, token_ids: tuple[int, int], n: int) -> lis
 class Play:
     """What a case needs to play turns: where, what, and how to check."""
 
-    servers: Sequence[RemoteOpenAIServer]
+    servers: Sequence[Server]
     binding: Binding
     deployment: Deployment
     mode: Mode

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""A case's record: what it observed (:class:`CaseRecord`), its turn table,
-its JSON report and reproducer (:func:`reported_case`), and the session's
-summary of every case (:data:`SUMMARY`)."""
+"""A case's record: what it observed and its verdict (:class:`CaseRecord`,
+``record.ok`` and ``record.explain()`` for the test's assertion), its turn
+table, and its JSON report and reproducer (:func:`reported_case`)."""
 
 import contextlib
 import json
@@ -79,6 +79,23 @@ class CaseRecord:
     verdict: str = ""
     play: Play | None = field(default=None, repr=False)  # for the reproducer
 
+    def failures(self) -> list[str]:
+        """Every problem the case found: its turns', then its own."""
+        return [p for turn in self.turns for p in turn.problems] + self.problems
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures()
+
+    def explain(self) -> str:
+        """The case's problems and its turn table: the message of a test's
+        ``assert record.ok, record.explain()``."""
+        failures = self.failures()
+        return "\n".join(
+            [f"{self.case_id}: {len(failures)} problem(s)", *failures, ""]
+            + [format_table(self.case_id, self.units, self.turns)]
+        )
+
     def as_json(self) -> dict:
         def sample(s: Sample | None) -> dict | None:
             if s is None:
@@ -135,14 +152,13 @@ class CaseRecord:
         }
 
 
-# Every case of the session, for the summary table the conftest prints.
-SUMMARY: list[CaseRecord] = []
-
-
 @contextlib.contextmanager
-def reported_case(case_id: str) -> Iterator[CaseRecord]:
-    """Print the case's turn table and write its JSON record however it
-    ends; fail on any problem."""
+def reported_case(
+    case_id: str, summary: list[CaseRecord] | None = None
+) -> Iterator[CaseRecord]:
+    """Print the case's turn table, write its JSON record (and, if it
+    failed, its reproducer) and append it to ``summary`` however it ends.
+    Problems do not raise here: the caller asserts ``record.ok``."""
     # pytest names the running test as "<node id> (<phase>)".
     test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
     record = CaseRecord(case_id, test=test)
@@ -157,26 +173,20 @@ def reported_case(case_id: str) -> Iterator[CaseRecord]:
             record.outcome = "xfail"
         else:
             record.outcome = f"error: {type(e).__name__}"
-            e.case_record = record  # for expect_known
         raise
     finally:
         CLOCK.reset(clock)
         record.seconds = time.monotonic() - start
-        problems = [p for turn in record.turns for p in turn.problems]
-        problems += record.problems
         if not record.outcome:
-            record.outcome = "FAIL" if problems else "pass"
+            record.outcome = "pass" if record.ok else "FAIL"
         print("\n" + format_table(case_id, record.units, record.turns))
         for notice in [n for t in record.turns for n in t.notices] + record.notices:
             print(f"notice: {notice}")
         for problem in record.problems:
             print(f"problem: {problem}")
-        SUMMARY.append(record)
+        if summary is not None:
+            summary.append(record)
         path = report_folder() / f"{case_id}.json"
         data = record.as_json()
         path.write_text(json.dumps(data, indent=1))
         update_reproducer(data, report_folder())  # <case_id>.repro.py on FAIL
-    if problems:
-        failure = AssertionError(f"{case_id}:\n" + "\n".join(problems))
-        failure.case_record = record  # for expect_known
-        raise failure

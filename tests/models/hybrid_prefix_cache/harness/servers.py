@@ -3,7 +3,10 @@
 """Server lifecycle: one ``vllm serve`` process with its log
 (:class:`Server`), the servers of a deployment (:func:`server_specs`,
 :func:`start_servers`, :func:`serve`), their reuse across cases
-(:class:`ServerPool`), and the report folder their logs go to."""
+(:class:`ServerPool`), and the report folder their logs go to. No state is
+global: a pool belongs to whoever made it (the plugin's session fixture, a
+benchmark, a test), and so does the ``launched`` list a caller passes to see
+every server started on its behalf."""
 
 import contextlib
 import os
@@ -111,18 +114,19 @@ def log_folder() -> Path:
     return folder
 
 
-# Every server this process launched, for leak checks.
-LAUNCHED: list["Server"] = []
-
-
 class Server(RemoteOpenAIServer):
     """``vllm serve`` with its output in a log file (echoed to stdout, each
     line prefixed with the server's name), a health wait that the caller
     runs (so several servers can start at once), and a ledger of the usage
-    its completions reported."""
+    its completions reported. Once its process exists, the server is
+    appended to ``launched`` (if given), for leak checks."""
 
     def __init__(
-        self, spec: ServerSpec, startup_timeout: float, port: int | None = None
+        self,
+        spec: ServerSpec,
+        startup_timeout: float,
+        port: int | None = None,
+        launched: list["Server"] | None = None,
     ) -> None:
         self.spec = spec
         self.startup_timeout = startup_timeout
@@ -133,6 +137,7 @@ class Server(RemoteOpenAIServer):
         self._ledger_lock = threading.Lock()
         # Every process seen in the server's group while it ran.
         self.seen_pids: set[int] = set()
+        self._launched = launched
         env = dict(spec.env)
         if spec.side_channel_port:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(get_open_port())
@@ -172,7 +177,8 @@ class Server(RemoteOpenAIServer):
             log.close()
             raise
         self.seen_pids.add(self.proc.pid)
-        LAUNCHED.append(self)
+        if self._launched is not None:
+            self._launched.append(self)
         threading.Thread(
             target=self._copy_output, args=(log,), daemon=True, name="server-log"
         ).start()
@@ -260,7 +266,10 @@ def wait_healthy(servers: Sequence[Server]) -> None:
 
 
 def start_servers(
-    specs: Sequence[ServerSpec], startup_timeout: float, concurrent: bool
+    specs: Sequence[ServerSpec],
+    startup_timeout: float,
+    concurrent: bool,
+    launched: list[Server] | None = None,
 ) -> list[Server]:
     """Start ``specs`` (at once, or each after the previous is healthy) and
     wait until all are healthy. If any fails, every server started so far is
@@ -268,7 +277,7 @@ def start_servers(
     servers: list[Server] = []
     try:
         for spec in specs:
-            servers.append(Server(spec, startup_timeout))
+            servers.append(Server(spec, startup_timeout, launched=launched))
             if not concurrent:
                 wait_healthy(servers[-1:])
         wait_healthy(servers)
@@ -280,7 +289,10 @@ def start_servers(
 
 @contextlib.contextmanager
 def serve(
-    binding: Binding, deployment: Deployment, mode: Mode
+    binding: Binding,
+    deployment: Deployment,
+    mode: Mode,
+    launched: list[Server] | None = None,
 ) -> Iterator[list[Server]]:
     """Serve every instance of ``deployment`` (prefiller first); shut them
     down together however the block ends."""
@@ -288,6 +300,7 @@ def serve(
         server_specs(binding, deployment, mode),
         binding.startup_timeout,
         binding.concurrent_start,
+        launched,
     )
     try:
         yield servers
@@ -299,12 +312,15 @@ class ServerPool:
     """Keeps the servers of the last deployment running for the next case
     that needs exactly the same ones (same model, arguments, environment).
 
-    At most one deployment runs at a time; asking for another stops it.
+    At most one deployment runs at a time; asking for another stops it. Its
+    owner closes it (the plugin's session fixture does, at the end of the
+    session); ``launched`` lists every server it ever started.
     """
 
     def __init__(self) -> None:
         self._specs: tuple[ServerSpec, ...] | None = None
         self._servers: list[Server] = []
+        self.launched: list[Server] = []
         self.starts = 0
         self.reuses = 0
         self.startup_seconds: list[float] = []
@@ -320,7 +336,7 @@ class ServerPool:
         self.close()
         with phase("start"):
             servers = start_servers(
-                specs, binding.startup_timeout, binding.concurrent_start
+                specs, binding.startup_timeout, binding.concurrent_start, self.launched
             )
         self._specs, self._servers = specs, servers
         self.starts += len(servers)
@@ -331,6 +347,3 @@ class ServerPool:
         servers, self._servers, self._specs = self._servers, [], None
         with phase("stop"):
             RemoteOpenAIServer.shutdown_many(servers)
-
-
-POOL = ServerPool()

@@ -1,0 +1,166 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""A binding's matrix, built the same way for every tier (:class:`Matrix`):
+its cases (deployments x modes, and in the sweep cells the tail sweep and
+its concurrent case), its known-failure table (one entry list per case or
+cell, each with evidence), and its pytest params, marked so that tests that
+need the same servers run one after another (:func:`servers_mark`,
+:func:`group_by_servers`)."""
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import pytest
+
+from tests.models.hybrid_prefix_cache.harness.conversation import SHAPES
+from tests.models.hybrid_prefix_cache.harness.deployment import (
+    Deployment,
+    Known,
+    Mode,
+    Units,
+    select_known,
+)
+
+# Tests marked with the same key need the same servers; the plugin puts
+# them next to each other so that the server pool can reuse them.
+SERVERS_MARK = "hybrid_servers"
+# The id suffix of a sweep cell's case that plays its shapes at once.
+CONCURRENT = "concurrent"
+
+
+def servers_mark(key: str) -> pytest.MarkDecorator:
+    return getattr(pytest.mark, SERVERS_MARK)(key)
+
+
+def group_by_servers(items: list) -> None:
+    """Reorder ``items`` in place so that those marked with the same
+    servers key run one after another, where the first of them was."""
+
+    def key(item) -> str | None:
+        mark = item.get_closest_marker(SERVERS_MARK)
+        return None if mark is None else mark.args[0]
+
+    groups: dict[str, list] = {}
+    for item in items:
+        if key(item) is not None:
+            groups.setdefault(key(item), []).append(item)
+    ordered, placed = [], set()
+    for item in items:
+        k = key(item)
+        if k is None:
+            ordered.append(item)
+        elif k not in placed:
+            placed.add(k)
+            ordered.extend(groups[k])
+    items[:] = ordered
+
+
+@dataclass(frozen=True)
+class Case:
+    """One case of a matrix, by the names of its deployment and mode."""
+
+    deployment: str
+    mode: str
+    shape: str | None = None  # a sweep shape, or None for the reference
+    concurrent: bool = False  # every shape of the cell at once
+
+    @property
+    def cell(self) -> str:
+        return f"{self.deployment}-{self.mode}"
+
+    @property
+    def case_id(self) -> str:
+        suffix = self.shape or (CONCURRENT if self.concurrent else None)
+        return self.cell if suffix is None else f"{self.cell}-{suffix}"
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """A binding's matrix: its literal ``deployments`` and ``modes`` dicts,
+    its known failures (``known``, by case id or by cell; a case without
+    entries of its own takes its cell's), and the ``sweep`` cells that also
+    run every sweep shape alone and all of them at once.
+
+    Every known entry must name a case (checked at construction); a test
+    passes :meth:`known_for` to ``run_case``, so a listed case must fail
+    with the entry's evidence, and a fix shows as a strict XPASS.
+    """
+
+    deployments: Mapping[str, Deployment]
+    modes: Mapping[str, Mode]
+    known: Mapping[str, Sequence[Known]] = field(default_factory=dict)
+    sweep: tuple[str, ...] = ()
+    cases: dict[str, Case] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cases", self._build())
+        unknown = sorted(set(self.known) - set(self.cases))
+        if unknown:
+            raise ValueError(f"known failures name no case of the matrix: {unknown}")
+
+    def _build(self) -> dict[str, Case]:
+        """Every case, in an order that lets consecutive cases share their
+        servers: each cell, then its sweep."""
+        cases = {}
+        for deployment in self.deployments:
+            for mode_name, mode in self.modes.items():
+                cell = Case(deployment, mode_name)
+                cases[cell.case_id] = cell
+                if cell.cell not in self.sweep:
+                    continue
+                for shape, (inblock, _) in SHAPES.items():
+                    # A boundary inside a block needs a unit below the block.
+                    if inblock and mode.prefix_match_unit is None:
+                        continue
+                    case = Case(deployment, mode_name, shape)
+                    cases[case.case_id] = case
+                case = Case(deployment, mode_name, concurrent=True)
+                cases[case.case_id] = case
+        return cases
+
+    def served(self, case_id: str) -> tuple[Deployment, Mode]:
+        case = self.cases[case_id]
+        return self.deployments[case.deployment], self.modes[case.mode]
+
+    def known_for(self, case_id: str) -> tuple[Known, ...]:
+        """The known failures of a case: its own, or its cell's."""
+        case = self.cases[case_id]
+        return tuple(self.known.get(case_id, self.known.get(case.cell, ())))
+
+    def concurrent_shapes(self, case_id: str, units: Units | None) -> tuple[str, ...]:
+        """The sweep shapes a concurrent case plays at once where its
+        servers resolve to ``units``: those of its cell that pass alone
+        there. A shape that fails alone is left out, not expected to fail:
+        in a batch, whether it fails depends on how the batch happens to
+        split the prefills, and its own case already holds it to its
+        evidence."""
+        case = self.cases[case_id]
+        if not case.concurrent:
+            return ()
+        return tuple(
+            shape
+            for shape in SHAPES
+            if f"{case.cell}-{shape}" in self.cases
+            and select_known(self.known_for(f"{case.cell}-{shape}"), units) is None
+        )
+
+    def params(
+        self,
+        device_marks: Callable[[int], list] | None = None,
+        skip: Callable[[str], str | None] | None = None,
+    ) -> list:
+        """One ``pytest.param(case_id)`` per case, marked with its cell's
+        servers key; ``device_marks(n)`` gives the marks of a case that needs
+        ``n`` > 1 devices, and ``skip(case_id)`` why this machine cannot run
+        it, if so."""
+        params = []
+        for case_id, case in self.cases.items():
+            marks = [servers_mark(case.cell)]
+            devices = self.deployments[case.deployment].num_devices
+            if device_marks is not None and devices > 1:
+                marks += device_marks(devices)
+            reason = None if skip is None else skip(case_id)
+            if reason is not None:
+                marks.append(pytest.mark.skip(reason=reason))
+            params.append(pytest.param(case_id, id=case_id, marks=marks))
+        return params
