@@ -19,6 +19,7 @@ from tests.models.hybrid_prefix_cache.harness import (
     Units,
     cpu_offload,
     kv_connector,
+    matrix_modes,
     multi_connector,
 )
 from tests.models.hybrid_prefix_cache.tiny_hybrid import TinyHybrid
@@ -83,12 +84,7 @@ NGRAM = {
     "prompt_lookup_max": 3,
 }
 
-MODES = {
-    "block": Mode(),
-    "partial": Mode(prefix_match_unit=PARTIAL_UNIT),
-    "block-ngram": Mode(spec=NGRAM),
-    "partial-ngram": Mode(prefix_match_unit=PARTIAL_UNIT, spec=NGRAM),
-}
+MODES = matrix_modes(PARTIAL_UNIT, "ngram", NGRAM)
 
 DEPLOYMENTS = {
     "plain": Deployment(decode=Instance(**IN_PROCESS)),

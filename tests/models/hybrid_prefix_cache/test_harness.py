@@ -44,6 +44,7 @@ from tests.models.hybrid_prefix_cache.harness import (
     hit_bound,
     impossible_hit,
     ledger_entry,
+    matrix_modes,
     plan_turns,
     run_case,
     select_known,
@@ -670,3 +671,16 @@ def test_a_refusal_at_start_is_judged_and_summarized(tmp_path, monkeypatch):
         ("c", "error: ServerError", "known refusal"),
         ("d", "error: ServerError", ""),
     ]
+
+
+def test_matrix_modes():
+    """The four modes of both tiers, with their ids."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    modes = matrix_modes(64, "ngram", spec)
+    assert modes == {
+        "block": Mode(),
+        "partial": Mode(prefix_match_unit=64),
+        "block-ngram": Mode(spec=spec),
+        "partial-ngram": Mode(prefix_match_unit=64, spec=spec),
+    }
+    assert [m.spec for m in modes.values()] == [None, None, spec, spec]

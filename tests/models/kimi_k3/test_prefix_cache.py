@@ -29,10 +29,10 @@ from tests.models.hybrid_prefix_cache.harness import (
     Instance,
     Known,
     Matrix,
-    Mode,
     Suite,
     cpu_offload,
     kv_connector,
+    matrix_modes,
     multi_connector,
     run_case,
     run_resend,
@@ -90,12 +90,7 @@ MOONCAKE_DEVICE = os.environ.get("MOONCAKE_DEVICE_NAME", "mlx5_12")
 MOONCAKE_LEASE_TTL_MS = 60_000
 MOONCAKE_ENV = {"MC_MAX_MR_SIZE": str(4 * GiB)}
 
-MODES = {
-    "block": Mode(),
-    "partial": Mode(prefix_match_unit=PARTIAL_UNIT),
-    "block-dspark": Mode(spec=DSPARK),
-    "partial-dspark": Mode(prefix_match_unit=PARTIAL_UNIT, spec=DSPARK),
-}
+MODES = matrix_modes(PARTIAL_UNIT, "dspark", DSPARK)
 
 DEPLOYMENTS = {
     "plain": Deployment(),

@@ -134,6 +134,7 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (  # noqa: F401
     cpu_offload,
     device_ranges,
     kv_connector,
+    matrix_modes,
     multi_connector,
     select_known,
     server_args,

@@ -69,6 +69,19 @@ class Mode:
         return args
 
 
+def matrix_modes(partial_unit: int, drafter: str, spec: Mapping) -> dict[str, Mode]:
+    """The four modes of every tier's matrix: by block or by
+    ``partial_unit``, each without and with the speculative config ``spec``
+    of ``drafter``; ids ``block``, ``partial``, ``block-<drafter>`` and
+    ``partial-<drafter>``."""
+    return {
+        "block": Mode(),
+        "partial": Mode(prefix_match_unit=partial_unit),
+        f"block-{drafter}": Mode(spec=spec),
+        f"partial-{drafter}": Mode(prefix_match_unit=partial_unit, spec=spec),
+    }
+
+
 def kv_connector(name: str, extra: Mapping | None = None, **fields) -> dict:
     """An instance's ``--kv-transfer-config``: connector ``name`` in role
     kv_both, with top-level ``fields`` and ``kv_connector_extra_config``
