@@ -684,3 +684,15 @@ def test_matrix_modes():
         "partial-ngram": Mode(prefix_match_unit=64, spec=spec),
     }
     assert [m.spec for m in modes.values()] == [None, None, spec, spec]
+
+
+def test_records_and_suites_print_in_one_line():
+    """What pytest shows of a failed ``assert record.ok`` and of the
+    fixture: one line each, not every sample of every turn."""
+    record = _record("turn 1: lost", Units(block=256, hit=256))
+    record.turns.append(Turn("conv", 1, 900, 700, 512, bound=640, prompt=[5] * 900))
+    record.outcome = "FAIL"
+    assert repr(record) == "CaseRecord('c': FAIL, 1 turns)"
+    suite = Suite()
+    suite.records.append(record)
+    assert repr(suite) == "Suite(1 case records, 0 server starts)"

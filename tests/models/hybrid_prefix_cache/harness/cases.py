@@ -53,6 +53,11 @@ class Suite:
     pool: ServerPool = field(default_factory=ServerPool)
     records: list[CaseRecord] = field(default_factory=list)
 
+    def __repr__(self) -> str:
+        return (
+            f"Suite({len(self.records)} case records, {self.pool.starts} server starts)"
+        )
+
     def close(self) -> None:
         self.pool.close()
 

@@ -56,10 +56,11 @@ def format_table(case_id: str, units: Units | None, turns: Sequence[Turn]) -> st
     return "\n".join(lines)
 
 
-@dataclass
+@dataclass(repr=False)
 class CaseRecord:
     """What one case observed, for its table, its JSON record and its
-    verdict."""
+    verdict. Its repr is one line: pytest prints it under a failed
+    ``assert record.ok``, where ``explain()`` has already said it all."""
 
     case_id: str
     # The pytest node that ran the case, if any (dev/benchmark_cpu_tier.py).
@@ -78,6 +79,10 @@ class CaseRecord:
     # known xfail, known refusal, or FAIL (stale table, XPASS); else outcome.
     verdict: str = ""
     play: Play | None = field(default=None, repr=False)  # for the reproducer
+
+    def __repr__(self) -> str:
+        outcome = self.verdict or self.outcome or "running"
+        return f"CaseRecord({self.case_id!r}: {outcome}, {len(self.turns)} turns)"
 
     def failures(self) -> list[str]:
         """Every problem the case found: its turns', then its own."""
