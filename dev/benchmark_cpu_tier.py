@@ -61,19 +61,18 @@ def _matrix_starts() -> tuple[int, int]:
     (consecutive cases with equal servers share them)."""
     without = with_reuse = 0
     previous = None
-    for case_id, case in cpu_known.MATRIX.cases.items():
-        deployment = tier.DEPLOYMENTS[case.deployment]
-        known = cpu_known.MATRIX.known_for(case_id)
+    matrix = cpu_known.MATRIX
+    for case_id, case in matrix.cases.items():
+        known = matrix.known_for(case_id)
         if any(k.confirmed_by or k.at_config for k in known):
             continue
         if cpu_known.core_shortage(case_id):
             continue
-        servers = len(deployment.instances)
+        servers = len(matrix.served(case_id)[0].instances)
         without += servers
-        key = (case.deployment, case.mode)
-        if key != previous:
+        if case.cell != previous:
             with_reuse += servers
-        previous = key
+        previous = case.cell
     return without, with_reuse
 
 
