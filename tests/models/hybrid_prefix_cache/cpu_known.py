@@ -71,8 +71,14 @@ _UNIT_MINUS1 = Known(
     "differently (by rounding) after a request one token short of a block, "
     "an engine-side path not isolated; findings/unit-minus1.md has the "
     "evidence and a 3-request reproducer",
-    evidence="unit-minus1 turn 2: sampled logprobs differ from the recompute",
+    # The oracle's words for a hit that parts from its recompute on one path
+    # (harness.check_turn).
+    evidence=(
+        "unit-minus1 turn 2: the hit, 1280 tokens restored from the prefix "
+        "cache, differs from its recompute on the same path"
+    ),
     geometry=(128, 128),
+    in_record=True,
 )
 
 
@@ -90,11 +96,13 @@ def _lost_at_256(shape: str, turn: int, cached: int, expected: int, prev: int):
         f"of the previous {prev}-token prompt at turn {turn} (cached "
         f"{cached}), which vLLM's own scheduler and KV cache manager hit "
         f"in-process; see _lost_at_256",
+        # The oracle's words for a lost checkpoint (harness.check_turn).
         evidence=(
             f"{shape} turn {turn}: cached {cached} < expected checkpoint "
             f"{expected} of the previous {prev}-token prompt"
         ),
         geometry=(256, 256),
+        in_record=True,
     )
 
 

@@ -58,7 +58,7 @@ def serve_info(
         ],
         "pd": pd,
         "offload": play.deployment.offload,
-        "logprob_atol": play.logprob_atol,
+        "logprob_atol": play.recompute_atol,
         "compares_logprobs": play.deployment.compares_logprobs,
         "max_tokens": max_tokens,
         "logprobs": num_logprobs,

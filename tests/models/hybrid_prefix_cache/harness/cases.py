@@ -6,7 +6,6 @@ a known-failure entry (:func:`expect_known`)."""
 
 import contextlib
 import random
-import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -21,6 +20,8 @@ from tests.models.hybrid_prefix_cache.harness.client import (
 from tests.models.hybrid_prefix_cache.harness.conversation import (
     Conversation,
     Play,
+    finish_turns,
+    fresh_salt,
     planned_turn,
     play_turn,
     random_tokens,
@@ -70,6 +71,23 @@ class KnownRun:
     record: CaseRecord | None = None
 
 
+def failure_text(record: CaseRecord | None, error: BaseException | None) -> str:
+    """Everything a failure of a case says: the exception (with the log of
+    the server it names, ServerError.log) or the record's problems, and the
+    log of every server of the case, where a crash that surfaced elsewhere
+    (a refused request, a metrics read from a dead server) left its cause.
+    A known failure's evidence is looked for in all of it."""
+    parts = [record.explain() if error is None and record else ""]
+    if error is not None:
+        parts.append(f"{type(error).__name__}: {error}{getattr(error, 'log', '')}")
+    play = record.play if record is not None else None
+    for server in play.servers if play is not None else ():
+        path = getattr(server, "log_path", None)
+        if path is not None and path.exists():
+            parts.append(f"log of {path.name}:\n{path.read_text(errors='replace')}")
+    return "\n".join(part for part in parts if part)
+
+
 def _known_failure(
     case_id: str, entry: Known, record: CaseRecord | None, text: str
 ) -> None:
@@ -115,7 +133,7 @@ def expect_known(
         if entry is None:
             raise
         try:
-            _known_failure(case_id, entry, run.record, str(e) + getattr(e, "log", ""))
+            _known_failure(case_id, entry, run.record, failure_text(run.record, e))
         except AssertionError as stale:
             raise stale from e
     record = run.record
@@ -123,7 +141,7 @@ def expect_known(
     if entry is None:
         return
     if record is not None and not record.ok:
-        _known_failure(case_id, entry, record, record.explain())
+        _known_failure(case_id, entry, record, failure_text(record, None))
     if record is not None:
         record.verdict = "FAIL: XPASS"
     pytest.fail(
@@ -156,10 +174,9 @@ def serve_case(
         # cache: the prefiller under P/D.
         record.units = Units.from_cache_config(cache_config(servers[0]), mode)
         window = open_window(servers)
-        atol = binding.logprob_atol
-        if deployment.prefill is not None:
-            atol = binding.pd_logprob_atol
-        record.play = Play(servers, binding, deployment, mode, record.units, atol)
+        record.play = Play(
+            servers, binding, deployment, mode, record.units, binding.logprob_atol
+        )
         yield record.play
         record.metrics, problems = close_window(window, mode, record.turns)
         record.problems += problems
@@ -219,9 +236,8 @@ def run_case(
         run.record = record
         with serve_case(record, binding, deployment, mode, suite.pool) as play:
             conversations = _conversations(case_id, play, shapes)
-            if concurrent:
-                play.logprob_atol = binding.batched_logprob_atol
-            run_conversations(play, conversations, record.turns, concurrent)
+            play.batched = concurrent
+            run_conversations(play, conversations, record.turns)
     return record
 
 
@@ -246,7 +262,7 @@ def run_resend(
         serve_case(record, binding, deployment, mode, suite.pool) as play,
     ):
         prompt = random_tokens(random.Random(case_id), binding.token_ids, prompt_len)
-        salt = f"resend-{uuid.uuid4().hex}"
+        salt = fresh_salt("resend")
         cold = Turn("", 0, prompt_len, 0, 0, prompt=prompt, salt=salt)
         record.turns.append(cold)
         cold.output = send(play.servers, binding.model, prompt, salt, cold.problems)
@@ -257,4 +273,5 @@ def run_resend(
         resend = planned_turn(play, "", PlannedTurn(1, prompt_len, prompt_len, True))
         record.turns.append(resend)
         play_turn(play, resend, prompt, salt)
+        finish_turns(play, record.turns)
     return record

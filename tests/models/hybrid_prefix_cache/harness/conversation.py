@@ -29,8 +29,10 @@ from tests.models.hybrid_prefix_cache.harness.oracle import (
     FIRST_PROMPT_TAIL,
     NUM_TURNS,
     TURN_TOKENS,
+    PathNoise,
     PlannedTurn,
     Turn,
+    check_paths,
     check_turn,
     expectation,
     plan_turns,
@@ -86,7 +88,11 @@ def random_tokens(rng: random.Random, token_ids: tuple[int, int], n: int) -> lis
 
 @dataclass
 class Play:
-    """What a case needs to play turns: where, what, and how to check."""
+    """What a case needs to play turns: where, what, and how to check.
+    ``logprob_atol`` holds a hit to the request on its own path (None:
+    check_logprobs_close alone); ``batched`` plays turns at once, each hit
+    then held to its batched recompute within the case's path noise
+    (``noise``, once measured)."""
 
     servers: Sequence[Server]
     binding: Binding
@@ -94,12 +100,30 @@ class Play:
     mode: Mode
     units: Units
     logprob_atol: float | None
+    batched: bool = False
+    noise: PathNoise | None = None
+
+    @property
+    def recompute_atol(self) -> float | None:
+        """What a hit and its recompute may differ by: ``logprob_atol``
+        where both took one path, else the case's path tolerance."""
+        if self.noise is None or self.logprob_atol is None:
+            return self.logprob_atol
+        return max(self.logprob_atol, self.noise.tolerance)
 
 
-def play_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
-    """Send ``prompt`` under ``salt`` (after the offload reset, if any) and
-    again under a fresh salt, then check the turn."""
+def fresh_salt(what: str) -> str:
+    return f"{what}-{uuid.uuid4().hex}"
+
+
+def send_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
+    """Send ``prompt`` under ``salt`` (after the offload reset, if any),
+    then its cold twin under a fresh salt, the way the hit went: under P/D
+    through the same prefiller, transfer and decoder; batched, in the same
+    wave of requests. Played alone on one server, the recompute is the hit's
+    same-path control and no twin is sent."""
     turn.prompt, turn.salt = list(prompt), salt
+    turn.batched = play.batched
     start = time.monotonic()
     servers, model = play.servers, play.binding.model
     if play.deployment.offload:
@@ -115,13 +139,48 @@ def play_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
                 f"grow ({before} -> {after}): the hit did not come from the "
                 f"offload tier"
             )
-    # The recompute goes to the decoder alone, with a fresh salt and no
-    # transfer: under P/D it computes the whole prompt itself, so a transfer
-    # that corrupts the state cannot corrupt both sides alike.
-    fresh = f"recompute-{uuid.uuid4().hex}"
-    turn.recompute = complete(servers[-1], model, prompt, fresh)
-    turn.seconds = time.monotonic() - start
-    check_turn(turn, play.units, play.logprob_atol, play.deployment.compares_logprobs)
+    if len(servers) > 1 or play.batched:
+        twin_problems = None if play.batched else turn.problems
+        turn.twin = send(servers, model, prompt, fresh_salt("twin"), twin_problems)
+    turn.seconds += time.monotonic() - start
+
+
+def recompute_turn(play: Play, turn: Turn) -> None:
+    """Recompute the turn's prompt on the decoder alone under a fresh salt
+    (under P/D it computes the whole prompt itself, so a transfer that
+    corrupts the state cannot corrupt both sides alike), and under P/D send
+    the decode-against-prefill control; then check the turn."""
+    start = time.monotonic()
+    decoder, model, prompt = play.servers[-1], play.binding.model, turn.prompt
+    turn.recompute = complete(decoder, model, prompt, fresh_salt("recompute"))
+    if len(play.servers) > 1:
+        # The recompute's second token came from a decode step; here its
+        # first token is part of the prompt, so the same logprob comes from
+        # the prefill path.
+        extended = [*prompt, turn.recompute.token_ids[0]]
+        turn.control = complete(decoder, model, extended, fresh_salt("control"))
+    turn.seconds += time.monotonic() - start
+    check_turn(
+        turn,
+        play.units,
+        play.logprob_atol,
+        play.deployment.compares_logprobs,
+        play.mode.drops_unit,
+    )
+
+
+def play_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
+    """One turn played alone: sent, recomputed and checked."""
+    send_turn(play, turn, prompt, salt)
+    recompute_turn(play, turn)
+
+
+def finish_turns(play: Play, turns: Sequence[Turn]) -> None:
+    """Once every turn of a case is played: hold its comparisons across
+    paths to the noise of its cold controls (oracle.check_paths)."""
+    play.noise = check_paths(
+        turns, play.logprob_atol, play.deployment.compares_logprobs
+    )
 
 
 def planned_turn(play: Play, label: str, planned: PlannedTurn) -> Turn:
@@ -144,21 +203,19 @@ def planned_turn(play: Play, label: str, planned: PlannedTurn) -> Turn:
 
 
 def run_conversations(
-    play: Play,
-    conversations: Sequence[Conversation],
-    turns: list[Turn],
-    concurrent: bool = False,
+    play: Play, conversations: Sequence[Conversation], turns: list[Turn]
 ) -> None:
     """Play ``conversations`` (each under its own salt) turn by turn, as
     :func:`plan_turns` lays them out, appending to ``turns``. A later turn's
     prompt is the previous prompt, the previous output and random tokens.
-    Concurrently, every conversation's turn is in flight at once (and its
-    recompute right after), as a busy server sees them."""
+    Batched (``play.batched``), every conversation's turn is in flight at
+    once, each with its cold twin, as a busy server sees them; their
+    recomputes run alone after the wave."""
     states = []
     for conv in conversations:
         rng = random.Random(conv.seed)
         prompt = random_tokens(rng, play.binding.token_ids, conv.first_len)
-        salt = f"conversation-{uuid.uuid4().hex}"
+        salt = fresh_salt("conversation")
         states.append((conv, rng, salt, prompt, plan_turns(conv.first_len)))
     for index in range(NUM_TURNS + 1):
         batch = []
@@ -168,9 +225,11 @@ def run_conversations(
                 raise AssertionError(f"{turn.name}: the plan and the prompt part")
             turns.append(turn)
             batch.append((turn, prompt, salt))
-        if concurrent:
+        if play.batched:
             with phase("requests"), ThreadPoolExecutor(len(batch)) as pool:
-                list(pool.map(lambda args: play_turn(play, *args), batch))
+                list(pool.map(lambda args: send_turn(play, *args), batch))
+            for turn, _, _ in batch:
+                recompute_turn(play, turn)
         else:
             for args in batch:
                 play_turn(play, *args)
@@ -185,3 +244,4 @@ def run_conversations(
                 rng, play.binding.token_ids, TURN_TOKENS - len(appended)
             )
             states[i] = (conv, rng, salt, prompt + appended + fill, plan)
+    finish_turns(play, turns)

@@ -193,14 +193,12 @@ class Binding:
 
     ``token_ids`` is the half-open range random prompt ids are drawn from.
     ``logprob_atol`` bounds the difference between the sampled tokens'
-    logprobs of a cache hit and of its recompute when requests run one at a
-    time, ``batched_logprob_atol`` when they are batched with other
-    conversations, ``pd_logprob_atol`` under P/D, where the hit takes the
-    P/D path and the recompute runs on the decoder alone: the prefiller
-    computes all but the last prompt token and the decoder that one, so the
-    two are not bit-identical even without a hit. None where no tolerance
-    has been measured on the platform (``check_logprobs_close`` still
-    applies). ``concurrent_start`` starts a
+    logprobs of a cache hit and of the cold request that took the same
+    numerical path (the recompute where both ran alone on one server, the
+    cold twin under P/D): 0.0 where one path is bit-exact, None where no
+    tolerance holds (GPUs: check_logprobs_close alone). Comparisons across
+    two paths are held to the noise each case measures on its cold controls
+    instead (oracle.check_paths). ``concurrent_start`` starts a
     deployment's instances at once instead of one after another.
     """
 
@@ -210,8 +208,6 @@ class Binding:
     env: Mapping[str, str] = field(default_factory=dict, hash=False)
     startup_timeout: float = 600.0
     logprob_atol: float | None = 0.0
-    batched_logprob_atol: float | None = None
-    pd_logprob_atol: float | None = None
     # The variable that gives a P/D instance its own devices, or None where
     # instances share the machine (the CPU backend).
     visible_devices_env: str | None = "CUDA_VISIBLE_DEVICES"
@@ -260,6 +256,11 @@ class Known:
     skips without a run); ``at_config`` says vLLM refuses while it builds its
     config, so the refusal is confirmed by building the config in-process
     from the servers' own arguments, and the servers only start if it builds.
+
+    Where the evidence arrives (:attr:`arrives`): in vLLM's refusal of the
+    config (``at_config``), in the oracle's own wording of a problem on the
+    case's record (``in_record``), or else in a crash: an exception and the
+    logs of the case's servers (harness.failure_text).
     """
 
     kind: str
@@ -268,12 +269,22 @@ class Known:
     geometry: tuple[int, int] | None = None
     confirmed_by: str | None = None
     at_config: bool = False
+    in_record: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("xfail", "unsupported"):
             raise ValueError(f"unknown kind of known failure: {self.kind!r}")
         if self.at_config and self.kind != "unsupported":
             raise ValueError("only a refusal can be confirmed at config time")
+        if self.at_config and self.in_record:
+            raise ValueError("a refusal at config time leaves no record")
+
+    @property
+    def arrives(self) -> str:
+        """Where the evidence shows: "config", "record" or "crash"."""
+        if self.at_config:
+            return "config"
+        return "record" if self.in_record else "crash"
 
     def applies(self, units: "Units | None") -> bool:
         if self.geometry is None:

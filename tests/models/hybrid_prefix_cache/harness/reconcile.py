@@ -135,13 +135,17 @@ def _delta(after: float | None, before: float | None) -> float | None:
 
 def expected_requests(num_servers: int, turns: Sequence["Turn"]) -> list[int]:
     """How many completions each server of a case must have finished: every
-    turn's request goes through the deployment (a prefill leg on the
-    prefiller, a decode leg on the decoder), and its recompute to the
-    decoder alone, which computes the whole prompt itself."""
-    recomputes = sum(1 for turn in turns if turn.recompute is not None)
+    turn's request, and under P/D its cold twin, goes through the deployment
+    (a prefill leg on the prefiller, a decode leg on the decoder); its
+    recompute and its control go to the decoder alone, which computes the
+    whole prompt itself."""
+    through = sum(1 + (turn.twin is not None) for turn in turns)
+    alone = sum(
+        (turn.recompute is not None) + (turn.control is not None) for turn in turns
+    )
     if num_servers == 1:
-        return [len(turns) + recomputes]
-    return [len(turns), len(turns) + recomputes]
+        return [through + alone]
+    return [through, through + alone]
 
 
 def counter_deltas(

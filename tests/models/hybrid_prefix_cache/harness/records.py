@@ -22,6 +22,8 @@ from tests.models.hybrid_prefix_cache.harness.conversation import Play
 from tests.models.hybrid_prefix_cache.harness.deployment import Units
 from tests.models.hybrid_prefix_cache.harness.oracle import (
     NUM_LOGPROBS,
+    Comparison,
+    PathNoise,
     Sample,
     Turn,
     first_divergence,
@@ -30,29 +32,52 @@ from tests.models.hybrid_prefix_cache.harness.servers import report_folder
 from tests.models.hybrid_prefix_cache.reproducer import serve_info, update_reproducer
 
 
-def format_table(case_id: str, units: Units | None, turns: Sequence[Turn]) -> str:
-    """The turn table of one case."""
+def _gap(comparison: Comparison | None) -> str:
+    if comparison is None:
+        return "-"
+    tied = "~" if comparison.divergence else ""
+    return f"{tied}{comparison.gap:.3g}"
+
+
+def format_table(
+    case_id: str,
+    units: Units | None,
+    turns: Sequence[Turn],
+    noise: PathNoise | None = None,
+) -> str:
+    """The turn table of one case: per turn, the hit, its recompute's
+    tokens, the hit's gap to the request on its own path (``max|dlp|``; its
+    batched recompute when batched), and the gap of a comparison across
+    paths with its tolerance (``path|dlp|``, ``tol``: under P/D the cold
+    twin against the decoder alone); ``~`` marks a gap of samples that
+    part, up to where they part. Then the case's path noise, if measured."""
     geometry = f"hit unit {units.hit}, block {units.block}" if units else "no geometry"
     lines = [
         f"== {case_id}: {geometry}",
         f"{'conversation':<14} {'turn':>6} {'prompt':>6} {'expected':>8} "
         f"{'cached':>6} {'bound':>6} {'recompute':>9} {'tokens':>6} "
-        f"{'max|dlp|':>9} {'s':>5}  verdict",
+        f"{'max|dlp|':>9} {'path|dlp|':>9} {'tol':>8} {'s':>5}  verdict",
     ]
     for turn in turns:
         out, rec = turn.output, turn.recompute
         same = "same" if out and rec and out.token_ids == rec.token_ids else "DIFF"
-        diff = turn.max_logprob_diff
+        own = next((c for c in turn.comparisons if c.what.startswith("hit ")), None)
+        across = next((c for c in turn.comparisons if not c.same_path), None)
+        if across is own:
+            across = None
+        tol = across.tolerance if across else own.tolerance if own else None
         verdict = "FAIL" if turn.problems else "notice" if turn.notices else "ok"
         lines.append(
             f"{turn.conversation or '-':<14} "
             f"{'resend' if turn.resend else turn.index:>6} {turn.prompt_len:>6} "
             f"{turn.expected:>8} {out.cached_tokens if out else '-':>6} "
             f"{turn.bound:>6} {rec.cached_tokens if rec else '-':>9} "
-            f"{same if rec else '-':>6} "
-            f"{'-' if diff is None else f'{diff:.3g}':>9} {turn.seconds:>5.1f}  "
+            f"{same if rec else '-':>6} {_gap(own):>9} {_gap(across):>9} "
+            f"{'-' if tol is None else f'{tol:.3g}':>8} {turn.seconds:>5.1f}  "
             f"{verdict}"
         )
+    if noise is not None:
+        lines.append(str(noise))
     return "\n".join(lines)
 
 
@@ -84,6 +109,11 @@ class CaseRecord:
         outcome = self.verdict or self.outcome or "running"
         return f"CaseRecord({self.case_id!r}: {outcome}, {len(self.turns)} turns)"
 
+    @property
+    def noise(self) -> PathNoise | None:
+        """The path noise its cold controls measured, if any."""
+        return self.play.noise if self.play is not None else None
+
     def failures(self) -> list[str]:
         """Every problem the case found: its turns', then its own."""
         return [p for turn in self.turns for p in turn.problems] + self.problems
@@ -98,7 +128,7 @@ class CaseRecord:
         failures = self.failures()
         return "\n".join(
             [f"{self.case_id}: {len(failures)} problem(s)", *failures, ""]
-            + [format_table(self.case_id, self.units, self.turns)]
+            + [format_table(self.case_id, self.units, self.turns, self.noise)]
         )
 
     def as_json(self) -> dict:
@@ -108,6 +138,10 @@ class CaseRecord:
             return {
                 "token_ids": s.token_ids,
                 "token_logprobs": s.token_logprobs,
+                "top_logprobs": [
+                    {str(token): lp for token, lp in top.items()}
+                    for top in s.top_logprobs
+                ],
                 "cached_tokens": s.cached_tokens,
                 "prompt_tokens": s.prompt_tokens,
             }
@@ -141,6 +175,10 @@ class CaseRecord:
                     "seconds": round(t.seconds, 2),
                     "hit": sample(t.output),
                     "recompute": sample(t.recompute),
+                    "twin": sample(t.twin),
+                    "control": sample(t.control),
+                    "batched": t.batched,
+                    "comparisons": [vars(c) for c in t.comparisons],
                     "problems": t.problems,
                     "notices": t.notices,
                     "salt": t.salt,
@@ -148,6 +186,9 @@ class CaseRecord:
                 }
                 for t in self.turns
             ],
+            "path_noise": None
+            if self.noise is None
+            else {**vars(self.noise), "tolerance": self.noise.tolerance},
             "metrics_deltas": self.metrics,
             "problems": self.problems,
             "notices": self.notices,
@@ -184,7 +225,7 @@ def reported_case(
         record.seconds = time.monotonic() - start
         if not record.outcome:
             record.outcome = "pass" if record.ok else "FAIL"
-        print("\n" + format_table(case_id, record.units, record.turns))
+        print("\n" + format_table(case_id, record.units, record.turns, record.noise))
         for notice in [n for t in record.turns for n in t.notices] + record.notices:
             print(f"notice: {notice}")
         for problem in record.problems:

@@ -1,0 +1,167 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Every known failure of both tables, fed by the path its failure really
+arrives by (harness.Known.arrives): a crash (an exception, and the logs of
+the case's servers), a refusal of the config, or the oracle's own words on
+a record. Each entry must see its evidence there, and a failure without it
+must fail as a stale table. No server: the crash's log is the text the
+report of the real failure gives."""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import requests
+
+from tests.models.hybrid_prefix_cache import cpu_known
+from tests.models.hybrid_prefix_cache.cpu_binding import cpu_binding
+from tests.models.hybrid_prefix_cache.harness import (
+    CaseRecord,
+    Known,
+    ServerError,
+    Units,
+    expect_known,
+)
+from tests.models.hybrid_prefix_cache.test_paths import (
+    lost_checkpoint_turn,
+    restored_apart_turn,
+)
+from tests.models.hybrid_prefix_cache.tiny_hybrid import write_tiny_hybrid
+
+pytestmark = pytest.mark.skip_global_cleanup
+
+
+def _kimi_tables() -> dict[str, dict[str, tuple[Known, ...]]]:
+    from tests.models.kimi_k3 import test_prefix_cache as kimi
+
+    return kimi.KNOWN
+
+
+def _entries(arrives: str) -> list:
+    """(case id, entry) of every entry of both tiers' tables whose failure
+    arrives by ``arrives``, each confirmed by its own case."""
+    found = [("cpu", case, k) for case, ks in cpu_known.KNOWN.items() for k in ks]
+    for platform, table in _kimi_tables().items():
+        found += [
+            (f"kimi-{platform}", case, k) for case, ks in table.items() for k in ks
+        ]
+    return [
+        pytest.param(case, entry, id=f"{table}-{case}-{entry.arrives}")
+        for table, case, entry in found
+        if entry.confirmed_by is None and entry.arrives == arrives
+    ]
+
+
+# What the oracle says on the record of each case whose failure arrives
+# there, by case and geometry: the turn it plays, as the failure was
+# reported (cpu_known.py).
+RECORD_FAILURES = {
+    ("plain-block-exact", (256, 256)): lambda: lost_checkpoint_turn(
+        "exact", 1, 768, 256
+    ),
+    ("plain-block-half-plus1", (256, 256)): lambda: lost_checkpoint_turn(
+        "half-plus1", 1, 897, 256
+    ),
+    ("plain-block-unit-minus1", (256, 256)): lambda: lost_checkpoint_turn(
+        "unit-minus1", 1, 1023, 256
+    ),
+    # Turn 2 of 2065 tokens hits 1280 at block 128, 3.9e-3 from its
+    # recompute with the same tokens.
+    ("plain-block-unit-minus1", (128, 128)): lambda: restored_apart_turn(
+        "unit-minus1", 2, 1288, 2065, 128, 3.9e-3
+    ),
+}
+GEOMETRY = {None: Units(block=256, hit=256)}
+
+
+def _units(entry: Known) -> Units:
+    if entry.geometry is None:
+        return GEOMETRY[None]
+    block, hit = entry.geometry
+    return Units(block=block, hit=hit)
+
+
+def _stand_in_server(log: Path) -> SimpleNamespace:
+    """What failure_text reads of a case's server: its log file."""
+    return SimpleNamespace(log_path=log)
+
+
+def _crash(case_id: str, entry: Known, text: str, tmp_path: Path, how: str) -> None:
+    """Run ``entry`` over a case whose engine crashed with ``text`` in its
+    log: the request that met the crash raises ServerError with that log
+    (``how="request"``), or a later metrics read fails while only the log
+    file on disk holds the cause (``how="metrics"``)."""
+    log = tmp_path / f"{how}.log"
+    log.write_text(f"INFO starting\n{text}\nERROR EngineCore died\n")
+    with expect_known(case_id, (entry,)) as run:
+        run.record = CaseRecord(case_id, units=_units(entry))
+        run.record.play = SimpleNamespace(servers=[_stand_in_server(log)], noise=None)
+        if how == "request":
+            raise ServerError("serve answered a completion with 500", log.read_text())
+        raise requests.ConnectionError("metrics: connection refused")
+
+
+@pytest.mark.parametrize(("case_id", "entry"), _entries("crash"))
+@pytest.mark.parametrize("how", ["request", "metrics"])
+def test_a_crash_shows_its_evidence(case_id, entry, how, tmp_path):
+    outcome = (
+        pytest.skip.Exception if entry.kind == "unsupported" else pytest.xfail.Exception
+    )
+    with pytest.raises(outcome):
+        _crash(case_id, entry, f"Traceback ... {entry.evidence} ...", tmp_path, how)
+    with pytest.raises(AssertionError, match="update the table"):
+        _crash(case_id, entry, "Traceback ... another error ...", tmp_path, how)
+
+
+@pytest.mark.parametrize(("case_id", "entry"), _entries("record"))
+def test_a_record_shows_its_evidence(case_id, entry):
+    key = (case_id, entry.geometry)
+    assert key in RECORD_FAILURES, f"no failing record for {key}"
+    turn = RECORD_FAILURES[key]()
+    assert turn.problems, "the oracle accepted the reported failure"
+    with pytest.raises(pytest.xfail.Exception), expect_known(case_id, (entry,)) as run:
+        run.record = CaseRecord(case_id, units=_units(entry), turns=[turn])
+    other = CaseRecord(case_id, units=_units(entry), problems=["another problem"])
+    with (
+        pytest.raises(AssertionError, match="update the table"),
+        expect_known(case_id, (entry,)) as run,
+    ):
+        run.record = other
+
+
+@pytest.fixture(scope="module")
+def binding(tmp_path_factory):
+    return cpu_binding(write_tiny_hybrid(tmp_path_factory.mktemp("tiny-hybrid")))
+
+
+@pytest.mark.parametrize(("case_id", "entry"), _entries("config"))
+def test_a_refused_config_shows_its_evidence(case_id, entry, binding):
+    """The refusal of vLLM's own config build, in-process, on the servers'
+    arguments."""
+    with pytest.raises(pytest.skip.Exception, match="refused in-process"):
+        cpu_known.confirm_at_config(binding, case_id, entry)
+    stale = Known(
+        entry.kind, entry.reason, "a refusal vLLM never gives", at_config=True
+    )
+    with pytest.raises(AssertionError, match="update the table"):
+        cpu_known.confirm_at_config(binding, case_id, stale)
+
+
+def test_every_entry_is_fed_by_its_arrival():
+    """Each test above takes the entries of one arrival path; together they
+    cover every entry that a case of its own confirms."""
+    fed = sum(len(_entries(path)) for path in ("crash", "record", "config"))
+    tables = [cpu_known.KNOWN, *_kimi_tables().values()]
+    confirming = [
+        k for t in tables for ks in t.values() for k in ks if not k.confirmed_by
+    ]
+    assert fed == len(confirming) > 0
+
+
+def test_the_dcp_spec_entries_expect_flashinfers_error():
+    """The error the real failure reported (#59392), not an oracle message
+    that a crash can never produce."""
+    report = "causal_seqlens_kv_global must have shape (9,), got (2,)"
+    entries = [k for ks in _kimi_tables()["sm100"].values() for k in ks]
+    assert entries and all(k.arrives == "crash" for k in entries)
+    assert all(k.evidence in report for k in entries)
