@@ -15,9 +15,11 @@ import torch
 from tests.models.hybrid_prefix_cache.sensitivity import (
     CONTINUATION_TOLERANCE,
     SENSITIVITY_FLOOR,
+    SERVED_SHAPES,
     continuation_error,
     load_model,
     scale_recurrent_states,
+    served_sensitivity,
     single_thread,
     state_sensitivity,
 )
@@ -132,4 +134,14 @@ def test_recurrent_state_moves_the_sampled_logprobs(tiny: TinyHybrid):
     assert sensitivity > SENSITIVITY_FLOOR, (
         f"scaling the carried recurrent state by 0.9 moved the greedy tokens' "
         f"logprobs by only {sensitivity:.3g} <= {SENSITIVITY_FLOOR:g}"
+    )
+
+
+@pytest.mark.parametrize("shape", sorted(SERVED_SHAPES))
+def test_recurrent_state_moves_what_a_served_request_generates(tiny, shape):
+    # Past a restored checkpoint, as the CPU tier's turns and resends are.
+    sensitivity = served_sensitivity(tiny.path, tiny.first_word_id, shape)
+    assert sensitivity > SENSITIVITY_FLOOR, (
+        f"scaling the restored state by 0.9 moved the generated tokens' "
+        f"logprobs of a served {shape} by only {sensitivity:.3g}"
     )
