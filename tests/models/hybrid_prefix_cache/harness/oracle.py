@@ -357,20 +357,17 @@ def compare(
     names: tuple[str, str],
     tolerance: float | None,
     same_path: bool,
-) -> tuple[Comparison, str]:
+) -> str:
     """Compare ``a`` with ``b`` (named by ``names``) under ``tolerance``;
-    record the comparison on ``turn`` and return it with why it fails ("":
-    it does not). A divergence fails on one path, and across paths unless it
+    record the comparison on ``turn`` and return why it fails ("": it does
+    not). A divergence fails on one path, and across paths unless it
     is a near tie within the tolerance. None: check_logprobs_close alone
     decides (GPUs, where no tolerance is measured)."""
     gap, part = logprob_gap(a, b)
-    divergence = first_divergence(a, b, names) if part is not None else ""
-    if not divergence and len(a.token_ids) != len(b.token_ids):
-        divergence = first_divergence(a, b, names)
-    comparison = Comparison(
-        f"{names[0]} vs {names[1]}", gap, tolerance, same_path, divergence
+    divergence = first_divergence(a, b, names)
+    turn.comparisons.append(
+        Comparison(f"{names[0]} vs {names[1]}", gap, tolerance, same_path, divergence)
     )
-    turn.comparisons.append(comparison)
     try:
         check_logprobs_close(
             outputs_0_lst=[b.as_tokens_text_logprobs()],
@@ -379,23 +376,23 @@ def compare(
             name_1=f"{turn.name} {names[0]}",
         )
     except AssertionError as e:
-        return comparison, f"beyond check_logprobs_close: {e}"
+        return f"beyond check_logprobs_close: {e}"
     if tolerance is None:
         if divergence:
             turn.notices.append(f"{turn.name}: {divergence} (check_logprobs_close)")
-        return comparison, ""
+        return ""
     if divergence:
         if same_path:
-            return comparison, f"on the same path: {divergence}"
+            return f"on the same path: {divergence}"
         if part is None or not near_tie(a, b, part, tolerance):
-            return comparison, f"not a near tie within {tolerance:.3g}: {divergence}"
+            return f"not a near tie within {tolerance:.3g}: {divergence}"
         turn.notices.append(
             f"{turn.name}: near tie within the path tolerance {tolerance:.3g}: "
             f"{divergence}"
         )
     if gap > tolerance:
-        return comparison, f"sampled logprobs differ by {gap:.3g} > {tolerance:.3g}"
-    return comparison, ""
+        return f"sampled logprobs differ by {gap:.3g} > {tolerance:.3g}"
+    return ""
 
 
 def _resend_problems(turn: Turn, units: Units, drops_unit: bool) -> list[str]:
@@ -474,7 +471,7 @@ def check_turn(
         return
     else:
         reference, other = rec, "recompute"
-    _, why = compare(turn, out, reference, ("hit", other), logprob_atol, True)
+    why = compare(turn, out, reference, ("hit", other), logprob_atol, True)
     if not why:
         return
     if turn.restored:
@@ -508,7 +505,7 @@ def check_paths(
             continue  # a resend's cold first request
         if turn.batched and turn.output is not None and turn.twin is not None:
             names = ("hit", "batched cold twin")
-            _, why = compare(turn, turn.output, turn.twin, names, tolerance, False)
+            why = compare(turn, turn.output, turn.twin, names, tolerance, False)
             if why and turn.restored:
                 turn.problems.append(
                     f"{turn.name}: the batched hit, {turn.restored} tokens "
@@ -523,7 +520,7 @@ def check_paths(
                 )
         elif turn.twin is not None:
             names = ("cold twin", "decoder alone")
-            _, why = compare(turn, turn.twin, turn.recompute, names, tolerance, False)
+            why = compare(turn, turn.twin, turn.recompute, names, tolerance, False)
             if why:
                 turn.problems.append(
                     f"{turn.name}: the decoder's output from the transferred KV "
