@@ -91,7 +91,7 @@ class Play:
     """What a case needs to play turns: where, what, and how to check.
     ``logprob_atol`` holds a hit to the request on its own path (None:
     check_logprobs_close alone); ``batched`` plays turns at once, each hit
-    then held to its batched recompute within the case's path noise
+    then held to its batched cold twin within the case's path noise
     (``noise``, once measured)."""
 
     servers: Sequence[Server]
