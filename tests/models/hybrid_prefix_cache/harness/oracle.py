@@ -242,27 +242,6 @@ def _top(sample: Sample, index: int) -> str:
     return ", ".join(f"{token}:{logprob:.4f}" for token, logprob in ranked)
 
 
-def first_divergence(
-    hit: Sample, recompute: Sample, names: tuple[str, str] = ("hit", "recompute")
-) -> str:
-    """Where the greedy tokens of two samples (by default a hit and its
-    recompute) part, with both sides' top-k there; "" if they agree."""
-    a_name, b_name = names
-    for i, (a, b) in enumerate(zip(hit.token_ids, recompute.token_ids)):
-        if a != b:
-            return (
-                f"first diverging token at index {i}: the {a_name} chose {a} "
-                f"(top-{NUM_LOGPROBS}: {_top(hit, i)}), the {b_name} chose {b} "
-                f"(top-{NUM_LOGPROBS}: {_top(recompute, i)})"
-            )
-    if len(hit.token_ids) != len(recompute.token_ids):
-        return (
-            f"the {a_name} has {len(hit.token_ids)} tokens, the {b_name} "
-            f"{len(recompute.token_ids)}"
-        )
-    return ""
-
-
 def _parting(a: Sample, b: Sample) -> int:
     """The index of the first generated token where ``a`` and ``b`` differ
     (their common length if they never do)."""
@@ -272,6 +251,28 @@ def _parting(a: Sample, b: Sample) -> int:
     return min(len(a.token_ids), len(b.token_ids))
 
 
+def first_divergence(
+    hit: Sample, recompute: Sample, names: tuple[str, str] = ("hit", "recompute")
+) -> str:
+    """Where the greedy tokens of two samples (by default a hit and its
+    recompute) part, with both sides' top-k there; "" if they agree."""
+    a_name, b_name = names
+    i = _parting(hit, recompute)
+    if i < min(len(hit.token_ids), len(recompute.token_ids)):
+        a, b = hit.token_ids[i], recompute.token_ids[i]
+        return (
+            f"first diverging token at index {i}: the {a_name} chose {a} "
+            f"(top-{NUM_LOGPROBS}: {_top(hit, i)}), the {b_name} chose {b} "
+            f"(top-{NUM_LOGPROBS}: {_top(recompute, i)})"
+        )
+    if len(hit.token_ids) != len(recompute.token_ids):
+        return (
+            f"the {a_name} has {len(hit.token_ids)} tokens, the {b_name} "
+            f"{len(recompute.token_ids)}"
+        )
+    return ""
+
+
 def logprob_gap(a: Sample, b: Sample) -> tuple[float, int | None]:
     """The largest difference between the sampled tokens' logprobs of ``a``
     and ``b`` while both chose the same tokens after the same context, and
@@ -279,9 +280,8 @@ def logprob_gap(a: Sample, b: Sample) -> tuple[float, int | None]:
     part, check_logprobs_close and :func:`near_tie` judge."""
     part = _parting(a, b)
     gaps = [abs(x - y) for x, y in zip(a.token_logprobs[:part], b.token_logprobs)]
-    if part >= min(len(a.token_ids), len(b.token_ids)):
-        return max(gaps, default=0.0), None
-    return max(gaps, default=0.0), part
+    parted = part < min(len(a.token_ids), len(b.token_ids))
+    return max(gaps, default=0.0), part if parted else None
 
 
 def near_tie(a: Sample, b: Sample, index: int, tolerance: float) -> bool:
