@@ -78,9 +78,13 @@ def failure_text(record: CaseRecord | None, error: BaseException | None) -> str:
     (a refused request, a metrics read from a dead server) left its cause.
     A known failure's evidence is looked for in all of it."""
     parts = [record.explain() if error is None and record else ""]
-    if error is not None:
-        parts.append(f"{type(error).__name__}: {error}{getattr(error, 'log', '')}")
     play = record.play if record is not None else None
+    if error is not None:
+        # A server that failed to start is in no play yet: only the error
+        # carries its log. Once there is a play, its servers' logs below hold
+        # the failing one's.
+        log = getattr(error, "log", "") if play is None else ""
+        parts.append(f"{type(error).__name__}: {error}{log}")
     for server in play.servers if play is not None else ():
         path = getattr(server, "log_path", None)
         if path is not None and path.exists():

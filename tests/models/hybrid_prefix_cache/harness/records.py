@@ -47,7 +47,7 @@ def format_table(
 ) -> str:
     """The turn table of one case: per turn, the hit, its recompute's
     tokens, the hit's gap to the request on its own path (``max|dlp|``; its
-    batched recompute when batched), and the gap of a comparison across
+    batched cold twin when batched), and the gap of a comparison across
     paths with its tolerance (``path|dlp|``, ``tol``: under P/D the cold
     twin against the decoder alone); ``~`` marks a gap of samples that
     part, up to where they part. Then the case's path noise, if measured."""
