@@ -9,7 +9,6 @@ from typing import get_args
 import pytest
 
 from tests.models.hybrid_prefix_cache.harness import (
-    EAGLE_STYLE_METHODS,
     EXTERNAL_HITS,
     EXTERNAL_QUERIES,
     PREFIX_HITS,
@@ -34,6 +33,7 @@ from tests.models.hybrid_prefix_cache.harness import (
     Units,
     counter_problems,
     device_ranges,
+    drafting,
     expect_known,
     expectation,
     expected_cached,
@@ -53,6 +53,7 @@ from tests.models.hybrid_prefix_cache.harness import (
     servers_mark,
     shape_length,
 )
+from vllm.config import VllmConfig
 from vllm.config.speculative import SpeculativeConfig, SpeculativeMethod
 
 
@@ -92,29 +93,44 @@ def test_expected_cached(prev_len: int, unit: int, drops_unit: bool, expected: i
 
 
 # Real B200 turn tables, from the PR this project started from: per case,
-# the hit unit and (prompt, cached) of its three growing turns.
+# the hit unit and (prompt, cached) of its three growing turns. That PR ran
+# vLLM 0.32, whose rule drops a unit for DSpark (B200_DROPS_UNIT).
 B200_TURNS = {
     # PMU 128; block 2944 under DCP2, so the first prompt is 3 * 2944 + 37.
     "dcp2-offload-partial": (128, [(8869, 0), (9646, 8832), (10423, 9600)]),
     # PMU 128, DSpark; block 6144, so the first prompt is 3 * 6144 + 37.
     "pd-offload-partial-dspark": (128, [(18469, 0), (19246, 18304), (20023, 19072)]),
 }
+B200_DROPS_UNIT = {"dcp2-offload-partial": False, "pd-offload-partial-dspark": True}
+
+
+def _b200_table(case_id: str, drops_unit: bool) -> list[tuple[int, int]]:
+    """(prompt, expected hit) of the case's first turns, from the harness's
+    own plan of the conversation and its deployment (the P/D prefiller sees
+    each prompt one token short), under the drop rule ``drops_unit``."""
+    unit, seen = B200_TURNS[case_id]
+    deployment, _ = kimi_cell(case_id)
+    plan = plan_turns(seen[0][0])
+    return [
+        (turn.prompt_len, expectation(turn, unit, drops_unit, backoff)[0])
+        for turn in plan[: len(seen)]
+        for backoff in [deployment.cache_backoff]
+    ]
 
 
 @pytest.mark.parametrize("case_id", B200_TURNS)
 def test_b200_turn_tables(case_id: str):
-    """The expectation functions reproduce what B200 served, from the
-    harness's own plan of the conversation, the case's drafter and its
-    deployment (the P/D prefiller sees each prompt one token short)."""
-    unit, seen = B200_TURNS[case_id]
-    deployment, mode = kimi_cell(case_id)
-    plan = plan_turns(seen[0][0])
-    got = [
-        (turn.prompt_len, expectation(turn, unit, mode.drops_unit, backoff)[0])
-        for turn in plan[: len(seen)]
-        for backoff in [deployment.cache_backoff]
-    ]
-    assert got == seen
+    """The expectation functions reproduce what B200 served under the rule
+    of the vLLM it ran; under the installed vLLM's rule, the table is
+    printed, and equals B200's where the rule is the same."""
+    _, mode = kimi_cell(case_id)
+    assert _b200_table(case_id, B200_DROPS_UNIT[case_id]) == B200_TURNS[case_id][1]
+    installed = _b200_table(case_id, mode.drops_unit)
+    print(f"{case_id} under the installed vLLM's rule: {installed}")
+    if mode.drops_unit == B200_DROPS_UNIT[case_id]:
+        assert installed == B200_TURNS[case_id][1]
+    else:
+        assert all(a >= b for (_, a), (_, b) in zip(installed, B200_TURNS[case_id][1]))
 
 
 def test_b200_plain_block_checkpoint():
@@ -152,20 +168,54 @@ def _flat_literal(tp) -> list[str]:
     ]
 
 
-def test_drops_unit_follows_vllm():
-    """EAGLE_STYLE_METHODS is vLLM's SpeculativeConfig.use_eagle, method by
-    method, and a config can turn the drop off."""
-    for method in _flat_literal(SpeculativeMethod):
-        vllm_says = SpeculativeConfig.use_eagle(SimpleNamespace(method=method))
-        assert (method in EAGLE_STYLE_METHODS) == vllm_says, method
-        assert Mode(spec={"method": method}).drops_unit == vllm_says, method
-    assert Mode(spec={"method": "dspark"}).drops_unit
-    assert not Mode(spec={"method": "ngram"}).drops_unit
-    assert not Mode().drops_unit
-    off = {"method": "eagle3", "disable_eagle_block_drop": True}
+def test_drops_unit_asks_vllm(monkeypatch):
+    """Mode.drops_unit is the installed vLLM's SpeculativeConfig.
+    use_eagle_block_drop on the declared config: whatever that method says
+    (here replaced), Mode says; the declared fields reach it, and a field
+    vLLM does not have is refused."""
+    seen = []
+
+    def rule(config):
+        seen.append((config.method, config.disable_eagle_block_drop))
+        return config.method == "ngram"
+
+    monkeypatch.setattr(SpeculativeConfig, "use_eagle_block_drop", rule)
+    # With a KV connector, no release hashes lookahead tokens.
+    assert drafting.drops_unit({"method": "ngram"}, kv_connector=True)
+    off = {"method": "dspark", "disable_eagle_block_drop": True}
     assert not Mode(spec=off).drops_unit
+    # (0.33's VllmConfig.num_hash_lookahead_tokens asks the method again.)
+    assert sorted(set(seen)) == [("dspark", True), ("ngram", False)]
+    assert not Mode().drops_unit
+    with pytest.raises(ValueError, match="no field not_a_field"):
+        Mode(spec={"method": "eagle", "not_a_field": 1}).drops_unit  # noqa: B018
     with pytest.raises(ValueError, match="method"):
         Mode(spec={"model": "some/draft"})
+
+
+def test_drops_unit_of_the_installed_vllm():
+    """The installed release's answers for the matrices' drafters, with
+    vLLM's reason: every EAGLE-style method drops a unit unless the config
+    turns it off; from 0.33, DSpark and DFlash drop none
+    (SpeculativeConfig.needs_eagle_block_drop)."""
+    new_rule = hasattr(SpeculativeConfig, "needs_eagle_block_drop")
+    assert Mode(spec={"method": "dspark"}).drops_unit is not new_rule
+    assert not Mode(spec={"method": "ngram"}).drops_unit
+    off = {"method": "eagle3", "disable_eagle_block_drop": True}
+    assert not Mode(spec=off).drops_unit
+    for method in _flat_literal(SpeculativeMethod):
+        eagle = SpeculativeConfig.use_eagle(SimpleNamespace(method=method))
+        if not eagle:
+            assert not Mode(spec={"method": method}).drops_unit, method
+    # EAGLE3 drops a unit behind a KV connector in both releases; without
+    # one, 0.33 hashes lookahead tokens instead, which the harness refuses
+    # to guess (VllmConfig.num_hash_lookahead_tokens).
+    assert drafting.drops_unit({"method": "eagle3"}, kv_connector=True)
+    if hasattr(VllmConfig, "num_hash_lookahead_tokens"):
+        with pytest.raises(NotImplementedError, match="num_hash_lookahead_tokens"):
+            drafting.drops_unit({"method": "eagle3"})
+    else:
+        assert drafting.drops_unit({"method": "eagle3"})
 
 
 def test_plan_turns():

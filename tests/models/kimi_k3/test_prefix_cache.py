@@ -152,8 +152,9 @@ KNOWN: dict[str, dict[str, tuple[Known, ...]]] = {
 # is an exact PMU multiple.
 RESEND_LENGTHS = (7040, 7296)
 RESEND_MODE = "partial-dspark"
-# Needs the Mamba state at 7296 and the drafter's proof block at 7424, both
-# beyond the store's normal save boundary (block 6144).
+# Its checkpoint lies beyond the store's normal save boundary (block 6144):
+# 7296 plus the drafter's proof block at 7424 where vLLM drops a unit for
+# DSpark (0.32), the Mamba state at 7424 where it does not (0.33).
 MOONCAKE_RESEND_LENGTH = 7449
 
 

@@ -133,7 +133,6 @@ from tests.models.hybrid_prefix_cache.harness.conversation import (  # noqa: F40
     shape_length,
 )
 from tests.models.hybrid_prefix_cache.harness.deployment import (  # noqa: F401
-    EAGLE_STYLE_METHODS,
     PD_PREFILL_BACKOFF,
     Binding,
     Deployment,

@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from math import lcm
 
+from tests.models.hybrid_prefix_cache.harness import drafting
+
 # The trailing prompt tokens a P/D prefiller never sees. vLLM's NIXL
 # scheduler truncates a do_remote_decode request when it is added
 # (distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py,
@@ -20,17 +22,6 @@ from math import lcm
 # its checkpoints and its query counter see the shorter prompt, and the
 # decoder loads exactly that many tokens (_get_remote_prefill_token_count).
 PD_PREFILL_BACKOFF = 1
-
-
-# Drafting methods that vLLM treats as EAGLE-style (they read the target's
-# hidden states): vllm/config/speculative.py, SpeculativeConfig.use_eagle.
-# With one of them, vLLM drops the trailing hash unit of every prefix-cache
-# lookup and saves the prompt-end Mamba checkpoint one unit lower, unless
-# the config sets disable_eagle_block_drop (SpeculativeConfig.
-# use_eagle_block_drop, read by v1/core/sched/scheduler.py Scheduler.__init__
-# and by model_executor/layers/mamba/checkpoint.py). An n-gram drafter does
-# neither. test_harness.py checks this set against the installed vLLM.
-EAGLE_STYLE_METHODS = frozenset({"eagle", "eagle3", "mtp", "dflash", "dspark"})
 
 
 @dataclass(frozen=True)
@@ -50,13 +41,10 @@ class Mode:
 
     @property
     def drops_unit(self) -> bool:
-        """Whether vLLM drops the trailing hit unit for this drafter
-        (``SpeculativeConfig.use_eagle_block_drop``)."""
-        if self.spec is None:
-            return False
-        return self.spec["method"] in EAGLE_STYLE_METHODS and not self.spec.get(
-            "disable_eagle_block_drop", False
-        )
+        """Whether the installed vLLM drops the trailing hit unit for this
+        drafter (:func:`drafting.drops_unit`: its own
+        ``SpeculativeConfig.use_eagle_block_drop``)."""
+        return drafting.drops_unit(self.spec)
 
     def args(self, prefix_caching: bool = True) -> list[str]:
         """The mode's ``vllm serve`` arguments; an instance without prefix
