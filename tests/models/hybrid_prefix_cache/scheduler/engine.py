@@ -13,7 +13,6 @@ from vllm.config import VllmConfig
 from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
 from vllm.v1.core.kv_cache_utils import (
     generate_scheduler_kv_cache_config,
-    get_kv_cache_configs,
     resolve_cache_hit_alignment_tokens,
     resolve_kv_cache_block_sizes,
 )
@@ -22,6 +21,18 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from vllm.v1.structured_output import StructuredOutputManager
+
+try:
+    # vLLM 0.33.0 moved get_kv_cache_configs to v1/core/kv_cache_planning.py,
+    # with a fourth argument, the global KV cache groups; its test helper of
+    # the same name in tests/v1/core/utils.py takes the three arguments below
+    # and groups them with kv_cache_planning.get_global_kv_cache_groups, as
+    # EngineCore._initialize_kv_caches does before calling it.
+    from tests.v1.core.utils import get_kv_cache_configs
+except ImportError:
+    # vLLM 0.32.0: tests/v1/core/utils.py has no such helper, and
+    # v1/core/kv_cache_utils.py get_kv_cache_configs takes the three.
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
 
 
 @dataclass(frozen=True)

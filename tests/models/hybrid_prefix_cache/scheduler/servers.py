@@ -84,7 +84,14 @@ class ReplayServer:
         self.engine = engine
         self.instance = instance
         self.loops = [EngineLoop(engine, token_ids) for _ in range(instance.dp)]
-        self.hasher = get_request_block_hasher(engine.hash_block, sha256)
+        # As EngineCore.__init__ (v1/engine/core.py) makes it: in 0.33.0 with
+        # VllmConfig.num_hash_lookahead_tokens, the tokens past each block that
+        # its hash covers and the scheduler's block pool expects it to; 0.32.0
+        # has neither (the hash covers the block alone).
+        lookahead = getattr(engine.vllm_config, "num_hash_lookahead_tokens", 0)
+        self.hasher = get_request_block_hasher(
+            engine.hash_block, sha256, *((lookahead,) if lookahead else ())
+        )
         self.completions: dict[str, Completion] = {}
         self.ledger = harness.Ledger()
         self.moved: dict[str, float | None] = dict.fromkeys(COUNTERS, 0.0)
