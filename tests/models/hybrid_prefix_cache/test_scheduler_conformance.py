@@ -5,7 +5,7 @@
 The end-to-end tiers hold each turn's hit to the harness's reading of vLLM
 (``harness.expectation``) and each server's counters to the harness's counter
 rule (``harness.counter_problems``). This tier replays the same conversations
-through vLLM's real scheduling objects in-process (``scheduler_replay.py``:
+through vLLM's real scheduling objects in-process (the ``scheduler`` package:
 the real ``Scheduler`` and ``KVCacheManager``, the real scheduler side of
 each KV connector, stand-in workers) and requires, per turn, vLLM's hit to
 EQUAL the expected hit (and to respect the bound), the recompute to hit
@@ -30,8 +30,7 @@ from pathlib import Path
 import pytest
 
 from tests.models.hybrid_prefix_cache import cpu_binding as cpu
-from tests.models.hybrid_prefix_cache import cpu_known, harness
-from tests.models.hybrid_prefix_cache import scheduler_replay as replay
+from tests.models.hybrid_prefix_cache import cpu_known, harness, scheduler
 from tests.models.hybrid_prefix_cache.tiny_hybrid import (
     TinyHybrid,
     write_tiny_hybrid,
@@ -110,15 +109,17 @@ def kimi_engines(
     deployment: harness.Deployment,
     mode: harness.Mode,
     kda_checkpoint: int | None,
-) -> list[replay.Engine]:
+) -> list[scheduler.Engine]:
     engines = []
     for instance in deployment.instances:
         block = kimi_geometry(instance, mode)
         if isinstance(block, str):
             pytest.skip(block)
-        geometry = replay.StatedGeometry(block, kda_checkpoint)
+        geometry = scheduler.StatedGeometry(block, kda_checkpoint)
         engines.append(
-            replay.stated_engine(str(model), geometry, instance, mode, **KIMI_SETTINGS)
+            scheduler.stated_engine(
+                str(model), geometry, instance, mode, **KIMI_SETTINGS
+            )
         )
     return engines
 
@@ -140,7 +141,7 @@ def cpu_binding(tiny_model: TinyHybrid) -> harness.Binding:
 
 def cpu_engines(
     binding: harness.Binding, deployment: harness.Deployment, mode: harness.Mode
-) -> list[replay.Engine]:
+) -> list[scheduler.Engine]:
     """Each server's engine, from exactly the arguments and environment the
     CPU tier starts it with (harness.server_specs); a configuration that
     vLLM refuses in-process, as the server does, skips with the CPU tier's
@@ -148,7 +149,7 @@ def cpu_engines(
     engines = []
     for spec in harness.server_specs(binding, deployment, mode):
         try:
-            engines.append(replay.cpu_engine(spec.model, spec.args, dict(spec.env)))
+            engines.append(scheduler.cpu_engine(spec.model, spec.args, dict(spec.env)))
         except Exception as e:
             unsupported = [
                 known
@@ -169,10 +170,10 @@ def cpu_engines(
 # --- the checks ------------------------------------------------------------------
 
 
-def check_geometry(engine: replay.Engine, mode: harness.Mode) -> harness.Units:
+def check_geometry(engine: scheduler.Engine, mode: harness.Mode) -> harness.Units:
     """The harness's reading of the server's cache_config_info labels must
     give the hit unit the engine aligns hits to."""
-    units = replay.units_of(engine, mode)
+    units = scheduler.units_of(engine, mode)
     geometry = engine.geometry
     assert units.hit == engine.hit_unit, (
         f"the harness reads hit unit {units.hit} from block_size="
@@ -184,7 +185,7 @@ def check_geometry(engine: replay.Engine, mode: harness.Mode) -> harness.Units:
 
 
 def turn_problems(
-    results: Sequence[replay.TurnResult],
+    results: Sequence[scheduler.TurnResult],
     units: harness.Units,
     mode: harness.Mode,
     deployment: harness.Deployment,
@@ -229,8 +230,8 @@ def turn_problems(
 
 def check_case(
     case_id: str,
-    servers: Sequence[replay.ReplayServer],
-    results: Sequence[replay.TurnResult],
+    servers: Sequence[scheduler.ReplayServer],
+    results: Sequence[scheduler.TurnResult],
     units: harness.Units,
     mode: harness.Mode,
     deployment: harness.Deployment,
@@ -282,9 +283,9 @@ def test_kimi_cell(tiny_model, deployment_name: str, mode_name: str) -> None:
     for kda, alignment in KDA_CHECKPOINTS.items():
         engines = kimi_engines(tiny_model.path, deployment, mode, alignment)
         units = check_geometry(engines[0], mode)
-        servers = replay.servers_for(engines, deployment, kimi.BINDING.token_ids)
+        servers = scheduler.servers_for(engines, deployment, kimi.BINDING.token_ids)
         conversation = harness.reference_conversation(units, case_id)
-        results = replay.play_conversations(
+        results = scheduler.play_conversations(
             servers, deployment, [conversation], kimi.BINDING.token_ids
         )
         check_case(f"{case_id} ({kda})", servers, results, units, mode, deployment)
@@ -300,8 +301,8 @@ def test_kimi_resend(tiny_model, prompt_len: int) -> None:
     for kda, alignment in KDA_CHECKPOINTS.items():
         engines = kimi_engines(tiny_model.path, deployment, mode, alignment)
         units = check_geometry(engines[0], mode)
-        servers = replay.servers_for(engines, deployment, kimi.BINDING.token_ids)
-        results = replay.play_resend(
+        servers = scheduler.servers_for(engines, deployment, kimi.BINDING.token_ids)
+        results = scheduler.play_resend(
             servers, deployment, prompt_len, case_id, kimi.BINDING.token_ids
         )
         resend = results[-1]
@@ -351,8 +352,8 @@ def test_cpu_case(cpu_binding: harness.Binding, case_id: str) -> None:
         )
     if not shapes:
         conversations = [harness.reference_conversation(units, case_id)]
-    servers = replay.servers_for(engines, deployment, cpu_binding.token_ids)
-    results = replay.play_conversations(
+    servers = scheduler.servers_for(engines, deployment, cpu_binding.token_ids)
+    results = scheduler.play_conversations(
         servers,
         deployment,
         conversations,
@@ -362,13 +363,13 @@ def test_cpu_case(cpu_binding: harness.Binding, case_id: str) -> None:
     check_case(case_id, servers, results, units, mode, deployment)
 
 
-def test_cpu_geometry(tiny_model: TinyHybrid) -> None:
-    """scheduler_replay.cpu_geometry, which the CPU tier can hold against a
+def test_cpu_geometry(cpu_binding: harness.Binding) -> None:
+    """cpu_binding.resolved_geometry, which the CPU tier can hold against a
     real server's vllm:cache_config_info: the plain deployment's blocks do
     not depend on the mode, and hits land on the mode's prefix match unit
     where it is below the Mamba block, else on the scheduler block."""
     geometries = {
-        name: replay.cpu_geometry(tiny_model.path, mode)
+        name: cpu.resolved_geometry(cpu_binding, mode)
         for name, mode in cpu.MODES.items()
     }
     blocks = {(g.attention_block, g.mamba_block) for g in geometries.values()}

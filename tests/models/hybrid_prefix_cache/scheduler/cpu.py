@@ -1,0 +1,149 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The engine of ``vllm serve`` on this (CPU) platform, from exactly the
+arguments and environment a server is started with (:func:`cpu_engine`)."""
+
+from collections.abc import Mapping, Sequence
+
+from tests.models.hybrid_prefix_cache.scheduler.engine import (
+    Engine,
+    environment,
+    finish_engine,
+)
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.engine.arg_utils import EngineArgs
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.platforms import current_platform
+from vllm.v1.attention.backend import AttentionBackend
+from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
+from vllm.v1.attention.selector import get_attn_backend
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec, MambaSpec
+from vllm.v1.worker.utils import customize_attention_spec
+
+
+def _serve_parser():
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(description="vllm serve, as installed")
+    subparsers = parser.add_subparsers(required=False, dest="subparser")
+    return ServeSubcommand().subparser_init(subparsers)
+
+
+_PARSER = None
+
+
+def engine_args(model: str, args: Sequence[str]) -> EngineArgs:
+    """``args`` parsed by the installed ``vllm serve``, as engine arguments."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    global _PARSER
+    if _PARSER is None:
+        _PARSER = _serve_parser()
+    namespace = _PARSER.parse_args(["--model", model, *args])
+    return AsyncEngineArgs.from_cli_args(namespace)
+
+
+class StandInAttention(AttentionLayerBase):
+    """An attention layer of the loaded model, as far as the platform's
+    block-size hook and the worker's spec collection can tell: its backend
+    (the one ``get_attn_backend`` selects, as ``Attention.__init__`` selects
+    it) and its KV cache spec, which reads the block size when it is asked
+    for, after the hook, as ``Attention.get_kv_cache_spec`` does (a full
+    attention spec of the model's KV heads, head size and dtype, which is
+    what a decoder layer without sliding window or KV quantization gives)."""
+
+    def __init__(self, backend: type[AttentionBackend]) -> None:
+        self.backend = backend
+
+    def get_attn_backend(self) -> type[AttentionBackend]:
+        return self.backend
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
+        model_config = vllm_config.model_config
+        return FullAttentionSpec(
+            block_size=vllm_config.cache_config.block_size,
+            num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
+            head_size=model_config.get_head_size(),
+            dtype=model_config.dtype,
+        )
+
+
+def cpu_engine(
+    model: str, args: Sequence[str], env: Mapping[str, str] | None = None
+) -> Engine:
+    """The scheduler-side objects of ``vllm serve model *args`` on this (CPU)
+    platform.
+
+    The config is what the API server resolves. The block sizes are then
+    set by the hook the executor calls once the model is loaded,
+    ``current_platform.update_block_size_for_backend`` (``v1/executor/
+    uniproc_executor.py`` UniProcExecutor._init_executor, ``multiproc_
+    executor.py`` WorkerProc.__init__), over the attention layers that the
+    loaded model registers in ``compilation_config.static_forward_context``
+    (stood in for by :class:`StandInAttention`). On CPU
+    (``platforms/cpu.py`` CpuPlatform.update_block_size_for_backend) the
+    hook aligns a hybrid model's attention page with its Mamba page, and
+    from 0.33.0 on it also picks the block size the attention backends
+    prefer where ``--block-size`` is not given (0.32.0 set 128 in
+    CpuPlatform.check_and_update_config, while the config was built).
+    Every layer's KV cache spec is the one the worker collects
+    (``GPUModelRunner.get_kv_cache_spec``: the attention layer's spec
+    through ``customize_attention_spec``, and the Mamba spec of
+    ``MambaBase.get_kv_cache_spec``). Memory for the KV cache is
+    ``--kv-cache-memory-bytes``, as the CPU worker takes it.
+    """
+    with environment(env or {}):
+        vllm_config = engine_args(model, args).create_engine_config()
+        model_config = vllm_config.model_config
+        cache_config = vllm_config.cache_config
+        layer_types = model_config.hf_config.layer_types
+        names = [f"model.layers.{i}" for i in range(len(layer_types))]
+        with set_current_vllm_config(vllm_config):
+            backend = get_attn_backend(
+                model_config.get_head_size(),
+                model_config.dtype,
+                cache_config.cache_dtype,
+            )
+            # Only the attention layers: the hook reads their backends
+            # (Platform._find_non_ssm_backends). The Mamba layers that
+            # 0.33.0's hook also reads in align mode (model_executor/layers/
+            # mamba/abstract.py get_mamba_prefill_checkpoint_alignment) export
+            # no prefill checkpoint here: Qwen3-Next's GDN exports one only
+            # with FlashInfer's prefill, on CUDA (qwen_gdn_linear_attn.py
+            # _resolve_gdn_prefill_backend), and no such layer reads alike.
+            attention = {
+                name: StandInAttention(backend)
+                for name, kind in zip(names, layer_types)
+                if kind != "linear_attention"
+            }
+            vllm_config.compilation_config.static_forward_context.update(attention)
+            current_platform.update_block_size_for_backend(vllm_config)
+            from vllm.model_executor.models import ModelRegistry
+
+            model_cls, _ = ModelRegistry.resolve_model_cls(
+                model_config.architecture, model_config=model_config
+            )
+            mamba = MambaSpec(
+                shapes=tuple(model_cls.get_mamba_state_shape_from_config(vllm_config)),
+                dtypes=tuple(model_cls.get_mamba_state_dtype_from_config(vllm_config)),
+                block_size=cache_config.mamba_block_size,
+                page_size_padded=cache_config.mamba_page_size_padded,
+                mamba_cache_mode=cache_config.mamba_cache_mode,
+                num_speculative_blocks=vllm_config.num_speculative_tokens,
+            )
+            layer_specs: dict[str, KVCacheSpec] = dict.fromkeys(names, mamba)
+            for name, layer in attention.items():
+                spec = layer.get_kv_cache_spec(vllm_config)
+                backend_cls = layer.get_attn_backend()
+                layer_specs[name] = customize_attention_spec(backend_cls, spec)
+        layouts = [layout.name for layout in get_supported_kv_cache_layouts([backend])]
+        memory = cache_config.kv_cache_memory_bytes
+        assert memory is not None, "the CPU tier sizes its KV cache explicitly"
+        return finish_engine(
+            vllm_config,
+            layer_specs,
+            memory,
+            layouts,
+            async_scheduling=bool(vllm_config.scheduler_config.async_scheduling),
+        )

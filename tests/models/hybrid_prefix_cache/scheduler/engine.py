@@ -1,0 +1,157 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""An instance's scheduler-side objects (:class:`Engine`) and the geometry
+they resolve (:class:`Geometry`), finished from the workers' layer specs as
+the engine core finishes them (:func:`finish_engine`)."""
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from vllm.config import VllmConfig
+from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+from vllm.v1.core.kv_cache_utils import (
+    generate_scheduler_kv_cache_config,
+    resolve_cache_hit_alignment_tokens,
+    resolve_kv_cache_block_sizes,
+)
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+from vllm.v1.structured_output import StructuredOutputManager
+
+try:
+    # vLLM 0.33.0 moved get_kv_cache_configs to v1/core/kv_cache_planning.py,
+    # with a fourth argument, the global KV cache groups; its test helper of
+    # the same name in tests/v1/core/utils.py takes the three arguments below
+    # and groups them with kv_cache_planning.get_global_kv_cache_groups, as
+    # EngineCore._initialize_kv_caches does before calling it.
+    from tests.v1.core.utils import get_kv_cache_configs
+except ImportError:
+    # vLLM 0.32.0: tests/v1/core/utils.py has no such helper, and
+    # v1/core/kv_cache_utils.py get_kv_cache_configs takes the three.
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Where a hit can land, as the engine resolves it.
+
+    ``attention_block`` is ``cache_config.block_size`` (tokens per attention
+    block on one rank), ``mamba_block`` the Mamba groups' block, ``hit_unit``
+    the finest boundary a hit lands on (``cache_hit_alignment_tokens``) and
+    ``scheduler_block`` the lcm of the groups' effective blocks (attention
+    blocks are ``dcp`` times larger under decode context parallelism).
+    """
+
+    attention_block: int
+    mamba_block: int
+    hit_unit: int
+    scheduler_block: int
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """The ``vllm:cache_config_info`` labels the harness reads
+        (:meth:`harness.Units.from_cache_config`)."""
+        return {
+            "block_size": str(self.attention_block),
+            "mamba_block_size": str(self.mamba_block),
+        }
+
+
+@dataclass
+class Engine:
+    """One instance's scheduler-side objects: its ``VllmConfig``, the
+    ``KVCacheConfig`` its scheduler gets, and the block sizes the engine core
+    resolves for it (``v1/engine/core.py``, EngineCore.__init__)."""
+
+    vllm_config: VllmConfig
+    kv_cache_config: KVCacheConfig
+    scheduler_block: int
+    hash_block: int
+    hit_unit: int
+    # Whether the server schedules asynchronously (AsyncScheduler, a batch
+    # queue of two): vLLM's default where the executor supports it.
+    async_scheduling: bool
+
+    @property
+    def geometry(self) -> Geometry:
+        cache = self.vllm_config.cache_config
+        return Geometry(
+            attention_block=cache.block_size,
+            mamba_block=cache.mamba_block_size or cache.block_size,
+            hit_unit=self.hit_unit,
+            scheduler_block=self.scheduler_block,
+        )
+
+    def scheduler(self) -> Scheduler:
+        cls = AsyncScheduler if self.async_scheduling else Scheduler
+        return cls(
+            vllm_config=self.vllm_config,
+            kv_cache_config=self.kv_cache_config,
+            structured_output_manager=StructuredOutputManager(self.vllm_config),
+            block_size=self.scheduler_block,
+            hash_block_size=self.hash_block,
+            log_stats=True,
+        )
+
+
+@contextlib.contextmanager
+def environment(env: Mapping[str, str]) -> Iterator[None]:
+    """Set ``env`` for a block (the instance's environment, which vLLM's
+    config reads), restoring what was there."""
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def finish_engine(
+    vllm_config: VllmConfig,
+    layer_specs: dict[str, KVCacheSpec],
+    memory: int,
+    layouts: list[str],
+    async_scheduling: bool,
+) -> Engine:
+    """What ``EngineCore._initialize_kv_caches`` does with the workers' layer
+    specs: resolve the KV cache layout, group the layers
+    (``get_kv_cache_configs``, one worker per rank), adopt the groups' block
+    size, and resolve the scheduler block, the hash block and the hit unit."""
+    cache_config = vllm_config.cache_config
+    register_all_kvcache_specs(vllm_config)
+    resolve_kv_cache_layout(vllm_config, [layouts], list(layer_specs.values()))
+    ranks = vllm_config.parallel_config.world_size
+    kv_cache_configs = get_kv_cache_configs(
+        vllm_config, [layer_specs] * ranks, [memory] * ranks
+    )
+    kv_cache_config = generate_scheduler_kv_cache_config(kv_cache_configs)
+    cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    cache_config.block_size = min(
+        group.kv_cache_spec.block_size
+        for group in kv_cache_config.kv_cache_groups
+        if group.kv_cache_spec.prefix_cacheable
+    )
+    scheduler_block, hash_block = resolve_kv_cache_block_sizes(
+        kv_cache_config, vllm_config
+    )
+    hit_unit = resolve_cache_hit_alignment_tokens(
+        kv_cache_config, vllm_config, scheduler_block, hash_block
+    )
+    kv_cache_config.hash_block_size = hash_block
+    kv_cache_config.cache_hit_alignment_tokens = hit_unit
+    return Engine(
+        vllm_config,
+        kv_cache_config,
+        scheduler_block,
+        hash_block,
+        hit_unit,
+        async_scheduling,
+    )

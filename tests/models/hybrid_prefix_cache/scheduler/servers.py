@@ -1,0 +1,254 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Replayed servers: an engine core's loop (:class:`EngineLoop`), one
+``vllm serve`` instance (:class:`ReplayServer`) with its usage ledger and
+counter deltas, and a deployment's servers (:func:`servers_for`)."""
+
+import json
+from collections.abc import Mapping, Sequence
+
+from tests.models.hybrid_prefix_cache import harness
+from tests.models.hybrid_prefix_cache.scheduler.engine import Engine
+from tests.models.hybrid_prefix_cache.scheduler.workers import (
+    Completion,
+    StandInWorker,
+)
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request
+
+COUNTERS = (
+    harness.PREFIX_QUERIES,
+    harness.PREFIX_HITS,
+    harness.EXTERNAL_QUERIES,
+    harness.EXTERNAL_HITS,
+)
+
+
+class EngineLoop:
+    """One engine core: its scheduler, stand-in workers and busy loop, run
+    as ``EngineCore.step`` (one batch in flight) or
+    ``EngineCore.step_with_batch_queue`` (asynchronous scheduling) runs it."""
+
+    def __init__(self, engine: Engine, token_ids: tuple[int, int]) -> None:
+        self.scheduler = engine.scheduler()
+        world_size = engine.vllm_config.parallel_config.world_size
+        self.worker = StandInWorker(self.scheduler, token_ids, world_size)
+        self.depth = engine.vllm_config.max_concurrent_batches
+        self.queue: list[tuple] = []
+
+    def step(self, record) -> bool:
+        """One engine step; False when the engine has nothing to do."""
+        scheduler = self.scheduler
+        if self.depth == 1:
+            if not scheduler.has_requests():
+                return False
+            output = scheduler.schedule()
+            result = self.worker.execute(output)
+            record(scheduler.update_from_output(output, result))
+            if output.total_num_scheduled_tokens > 0 and (
+                drafts := self.worker.drafts(output)
+            ):
+                scheduler.update_draft_token_ids(drafts)
+            return True
+        if scheduler.has_requests():
+            output = scheduler.schedule()
+            self.queue.insert(0, (output, self.worker.execute(output)))
+            if len(self.queue) < self.depth and (
+                output.total_num_scheduled_tokens > 0 or scheduler.has_requests()
+            ):
+                return True
+        elif not self.queue:
+            return False
+        output, result = self.queue.pop()
+        record(scheduler.update_from_output(output, result))
+        return True
+
+
+class ReplayServer:
+    """One ``vllm serve`` instance: an engine loop per data-parallel rank
+    (new requests go round-robin, as ``DPLBAsyncMPClient`` routes them when
+    every engine is idle), the usage ledger of its completions and the
+    deltas of its prefix-cache counters."""
+
+    def __init__(
+        self,
+        name: str,
+        engine: Engine,
+        instance: harness.Instance,
+        token_ids: tuple[int, int],
+    ) -> None:
+        self.name = name
+        self.engine = engine
+        self.instance = instance
+        self.loops = [EngineLoop(engine, token_ids) for _ in range(instance.dp)]
+        # As EngineCore.__init__ (v1/engine/core.py) makes it: in 0.33.0 with
+        # VllmConfig.num_hash_lookahead_tokens, the tokens past each block that
+        # its hash covers and the scheduler's block pool expects it to; 0.32.0
+        # has neither (the hash covers the block alone).
+        lookahead = getattr(engine.vllm_config, "num_hash_lookahead_tokens", 0)
+        self.hasher = get_request_block_hasher(
+            engine.hash_block, sha256, *((lookahead,) if lookahead else ())
+        )
+        self.completions: dict[str, Completion] = {}
+        self.ledger = harness.Ledger()
+        self.moved: dict[str, float | None] = dict.fromkeys(COUNTERS, 0.0)
+        self.requests = 0
+
+    @property
+    def engine_id(self) -> str | None:
+        config = self.engine.vllm_config.kv_transfer_config
+        return None if config is None else config.engine_id
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The first engine's scheduler (the only one without DP)."""
+        return self.loops[0].scheduler
+
+    def _record(self, outputs) -> None:
+        """What the API server takes from an engine step's outputs: the
+        counters' increments (``PrometheusStatLogger.record``) and each
+        completion's tokens, usage and transfer parameters."""
+        for eco in outputs.values():
+            stats = eco.scheduler_stats
+            if stats is not None:
+                self.moved[harness.PREFIX_QUERIES] += stats.prefix_cache_stats.queries
+                self.moved[harness.PREFIX_HITS] += stats.prefix_cache_stats.hits
+                connector = stats.connector_prefix_cache_stats
+                if connector is not None:
+                    self.moved[harness.EXTERNAL_QUERIES] += connector.queries
+                    self.moved[harness.EXTERNAL_HITS] += connector.hits
+            for out in eco.outputs:
+                completion = self.completions.get(out.request_id)
+                if completion is None:
+                    continue
+                completion.token_ids += out.new_token_ids
+                if out.prefill_stats is not None and completion.cached_tokens is None:
+                    completion.cached_tokens = out.prefill_stats.num_cached_tokens
+                if out.finish_reason is not None:
+                    completion.finished = True
+                    completion.kv_transfer_params = out.kv_transfer_params
+
+    def step(self) -> bool:
+        stepped = False
+        for loop in self.loops:
+            stepped = loop.step(self._record) or stepped
+        return stepped
+
+    def drain(self, limit: int = 100_000) -> None:
+        """Step until every engine is idle (transfers included)."""
+        for _ in range(limit):
+            if not self.step():
+                return
+        raise AssertionError(f"{self.name}: the engine did not settle")
+
+    def submit(
+        self,
+        prompt: Sequence[int],
+        salt: str,
+        max_tokens: int,
+        kv_transfer_params: Mapping | None = None,
+    ) -> Completion:
+        """Add a completion request as the API server would: greedy, with
+        logprobs, the cache salt, and the transfer parameters as the client
+        sent them (a JSON copy) in ``extra_args``."""
+        loop = self.loops[self.requests % len(self.loops)]
+        self.requests += 1
+        request_id = f"{self.name}-{self.requests}"
+        extra = None
+        if kv_transfer_params is not None:
+            extra = {"kv_transfer_params": json.loads(json.dumps(kv_transfer_params))}
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0,
+            logprobs=harness.NUM_LOGPROBS,
+            extra_args=extra,
+        )
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt),
+            sampling_params=params,
+            pooling_params=None,
+            cache_salt=salt,
+            block_hasher=self.hasher,
+        )
+        completion = Completion(request_id, list(prompt), prompt_tokens=len(prompt))
+        self.completions[request_id] = completion
+        loop.scheduler.add_request(request)
+        return completion
+
+    def settle(self, completion: Completion, sent: Mapping | None) -> None:
+        """Book a finished completion in the ledger as its response reports
+        it: usage's cached tokens are the prefill's local plus external hit,
+        except on a P/D decoder, which reports the prefiller's
+        (``remote_prefill_cached_tokens``: ``v1/engine/output_processor.py``,
+        RequestState.from_new_request)."""
+        assert completion.finished, f"{completion.request_id} did not finish"
+        params = sent or {}
+        remote = params.get("remote_prefill_cached_tokens")
+        if params.get("do_remote_prefill") and isinstance(remote, int):
+            completion.cached_tokens = remote
+        assert completion.cached_tokens is not None, completion.request_id
+        self.ledger += harness.ledger_entry(
+            completion.prompt_tokens, completion.cached_tokens, sent
+        )
+
+    def complete(
+        self,
+        prompt: Sequence[int],
+        salt: str,
+        max_tokens: int = harness.MAX_TOKENS,
+        kv_transfer_params: Mapping | None = None,
+    ) -> Completion:
+        completion = self.submit(prompt, salt, max_tokens, kv_transfer_params)
+        while not completion.finished:
+            assert self.step(), f"{completion.request_id} stalled"
+        self.settle(completion, kv_transfer_params)
+        return completion
+
+    def reset_prefix_cache(self) -> None:
+        """``POST /reset_prefix_cache?reset_external=false`` once the engines
+        have settled (the harness retries until it succeeds)."""
+        self.drain()
+        for loop in self.loops:
+            assert loop.scheduler.reset_prefix_cache(reset_connector=False), (
+                f"{self.name}: the prefix cache reset failed with nothing running"
+            )
+
+    def counter_problems(self) -> list[str]:
+        """:func:`harness.counter_problems` for this server."""
+        return harness.counter_problems(
+            self.name,
+            self.moved,
+            self.ledger,
+            prefix_caching=self.instance.prefix_caching,
+            connector=self.instance.kv_config is not None,
+        )
+
+
+def servers_for(
+    engines: Sequence[Engine],
+    deployment: harness.Deployment,
+    token_ids: tuple[int, int],
+) -> list[ReplayServer]:
+    """The servers of ``deployment``, prefiller first, named as the harness
+    names them, with the P/D pair's workers introduced to each other."""
+    # Block hashes as every server here computes them (the default
+    # --prefix-caching-hash-algo, whose NONE_HASH seed is fixed).
+    init_none_hash(sha256)
+    names = ("serve",) if deployment.prefill is None else ("prefill", "decode")
+    servers = [
+        ReplayServer(name, engine, instance, token_ids)
+        for name, engine, instance in zip(names, engines, deployment.instances)
+    ]
+    peers = {
+        server.engine_id: server.loops[0].worker
+        for server in servers
+        if server.engine_id is not None and len(server.loops) == 1
+    }
+    for server in servers:
+        for loop in server.loops:
+            loop.worker.peers = peers
+    return servers

@@ -1,0 +1,141 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The stand-in workers of a server (:class:`StandInWorker`) and what a
+completion's response carries (:class:`Completion`)."""
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+    MultiKVConnectorMetadata,
+    MultiKVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+    NixlConnectorMetadata,
+)
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.simple_kv_offload.metadata import (
+    SimpleCPUOffloadMetadata,
+    SimpleCPUOffloadWorkerMetadata,
+)
+
+
+@dataclass
+class Completion:
+    """What a completion's response carries that the harness reads."""
+
+    request_id: str
+    prompt: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None
+    kv_transfer_params: dict | None = None
+    finished: bool = False
+
+
+class StandInWorker:
+    """The workers of one server, as far as its scheduler can tell.
+
+    Every sampled token is a deterministic function of the sequence so far
+    (a hit and its recompute generate alike, as greedy decoding does), every
+    draft is rejected (each decode step adds exactly one token, as without a
+    drafter), and every KV transfer a connector's metadata asks for completes
+    within the step that asked: NIXL reads (the reading decoder reports the
+    request received, and the prefiller that served it reports it sent in
+    its next step), CPU offload loads and stores (a store is acknowledged by
+    every rank, as ``SimpleCPUOffloadWorkerMetadata`` aggregates them).
+    """
+
+    def __init__(
+        self, scheduler: Scheduler, token_ids: tuple[int, int], world_size: int
+    ) -> None:
+        self.scheduler = scheduler
+        self.token_ids = token_ids
+        self.world_size = world_size
+        # Requests of this server whose KV a peer finished reading.
+        self.pending_sends: set[str] = set()
+        self.peers: dict[str, StandInWorker] = {}
+
+    def token(self, request: Request) -> int:
+        low, high = self.token_ids
+        tail = request.all_token_ids[-8:]
+        mix = sum((i + 1) * t for i, t in enumerate(tail)) + len(request.all_token_ids)
+        return low + mix % (high - low)
+
+    def execute(self, output) -> ModelRunnerOutput:
+        req_ids = list(output.num_scheduled_tokens)
+        sampled = []
+        for req_id in req_ids:
+            request = self.scheduler.requests[req_id]
+            sampled.append([] if request.is_prefill_chunk else [self.token(request)])
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=self.transfers(output.kv_connector_metadata),
+        )
+
+    def drafts(self, output) -> DraftTokenIds | None:
+        """K drafts per request that sampled a token (a synchronous
+        scheduler takes them after the step, ``EngineCore.post_step``)."""
+        num_spec = self.scheduler.num_spec_tokens
+        if not num_spec:
+            return None
+        requests = self.scheduler.requests
+        req_ids = [
+            req_id
+            for req_id in output.num_scheduled_tokens
+            if req_id in requests
+            and not requests[req_id].is_finished()
+            and not requests[req_id].is_prefill_chunk
+        ]
+        low = self.token_ids[0]
+        return DraftTokenIds(req_ids, [[low] * num_spec for _ in req_ids])
+
+    def transfers(self, metadata) -> KVConnectorOutput | None:
+        if metadata is None:
+            return None
+        received: set[str] = set()
+        parts = (
+            metadata.metadata
+            if isinstance(metadata, MultiKVConnectorMetadata)
+            else (metadata,)
+        )
+        worker_meta = [self._transfer(part, received) for part in parts]
+        if isinstance(metadata, MultiKVConnectorMetadata):
+            combined = (
+                MultiKVConnectorWorkerMetadata(tuple(worker_meta))
+                if any(m is not None for m in worker_meta)
+                else None
+            )
+        else:
+            combined = worker_meta[0]
+        sent, self.pending_sends = self.pending_sends, set()
+        return KVConnectorOutput(
+            finished_sending=sent or None,
+            finished_recving=received or None,
+            kv_connector_worker_meta=combined,
+        )
+
+    def _transfer(self, metadata, received: set[str]):
+        if isinstance(metadata, NixlConnectorMetadata):
+            for req_id, meta in metadata.reqs_to_recv.items():
+                if meta.awaiting_kvs:
+                    received.add(req_id)
+                if meta.remote is not None:
+                    peer = self.peers.get(meta.remote.engine_id)
+                    assert peer is not None, f"no prefiller {meta.remote.engine_id}"
+                    peer.pending_sends.add(meta.remote.request_id)
+            return None
+        if isinstance(metadata, SimpleCPUOffloadMetadata):
+            if metadata.load_event >= 0:
+                received.update(
+                    metadata.load_event_to_reqs.get(metadata.load_event, ())
+                )
+            if metadata.store_event >= 0:
+                return SimpleCPUOffloadWorkerMetadata(
+                    {metadata.store_event: self.world_size}
+                )
+            return None
+        raise NotImplementedError(f"no stand-in worker for {type(metadata).__name__}")
