@@ -275,6 +275,49 @@ def _kimi_params() -> list:
     ]
 
 
+def _drafter_params() -> list:
+    return [
+        pytest.param(tier, name, id=f"{tier}-{name}")
+        for tier, modes in (("kimi", kimi.MODES), ("cpu", cpu.MODES))
+        for name, mode in modes.items()
+        if mode.spec is not None
+    ]
+
+
+@pytest.mark.parametrize(("tier", "mode_name"), _drafter_params())
+def test_drop_rule_is_the_schedulers(tiny_model, cpu_binding, tier, mode_name):
+    """The harness reads whether a drafter drops a unit from the declared
+    config (harness.drafting); vLLM's scheduler must then do what that config
+    says: Scheduler.__init__ sets use_eagle_block_drop and hands it to the
+    KVCacheManager, whose lookups drop the unit. A scheduler that ignores
+    the config, or drops where the config says no, fails here by name."""
+    if tier == "kimi":
+        mode = kimi.MODES[mode_name]
+        instance = kimi.DEPLOYMENTS["plain"].decode
+        block = kimi_geometry(instance, mode)
+        assert not isinstance(block, str), block
+        geometry = scheduler.StatedGeometry(block, None)
+        engines = [
+            scheduler.stated_engine(
+                str(tiny_model.path), geometry, instance, mode, **KIMI_SETTINGS
+            )
+        ]
+    else:
+        mode = cpu.MODES[mode_name]
+        engines = cpu_engines(cpu_binding, cpu.DEPLOYMENTS["plain"], mode)
+    declared = mode.drops_unit
+    for engine in engines:
+        vllm_scheduler = engine.scheduler()
+        assert vllm_scheduler.use_eagle_block_drop == declared, (
+            f"{tier} {mode_name}: the config declares drops a unit {declared}, "
+            f"vLLM's scheduler drops {vllm_scheduler.use_eagle_block_drop}"
+        )
+        assert vllm_scheduler.kv_cache_manager.use_eagle == declared, (
+            f"{tier} {mode_name}: the KV cache manager's lookups drop "
+            f"{vllm_scheduler.kv_cache_manager.use_eagle}, the config {declared}"
+        )
+
+
 @pytest.mark.parametrize(("deployment_name", "mode_name"), _kimi_params())
 def test_kimi_cell(tiny_model, deployment_name: str, mode_name: str) -> None:
     deployment = kimi.DEPLOYMENTS[deployment_name]

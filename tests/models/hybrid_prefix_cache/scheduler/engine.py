@@ -23,16 +23,35 @@ from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from vllm.v1.structured_output import StructuredOutputManager
 
 try:
-    # vLLM 0.33.0 moved get_kv_cache_configs to v1/core/kv_cache_planning.py,
-    # with a fourth argument, the global KV cache groups; its test helper of
-    # the same name in tests/v1/core/utils.py takes the three arguments below
-    # and groups them with kv_cache_planning.get_global_kv_cache_groups, as
-    # EngineCore._initialize_kv_caches does before calling it.
-    from tests.v1.core.utils import get_kv_cache_configs
+    # vLLM 0.33: the configs come from v1/core/kv_cache_planning.py, after
+    # the layers are grouped across all workers.
+    from vllm.v1.core import kv_cache_planning
 except ImportError:
-    # vLLM 0.32.0: tests/v1/core/utils.py has no such helper, and
-    # v1/core/kv_cache_utils.py get_kv_cache_configs takes the three.
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+    kv_cache_planning = None  # vLLM 0.32: v1/core/kv_cache_utils.py alone
+
+
+def get_kv_cache_configs(
+    vllm_config: VllmConfig,
+    kv_cache_specs: list[dict[str, KVCacheSpec]],
+    available_memory: list[int],
+) -> list[KVCacheConfig]:
+    """One ``KVCacheConfig`` per worker, as the installed vLLM's engine core
+    makes them (v1/engine/core.py, EngineCore._initialize_kv_caches): in
+    0.33, the global groups first (kv_cache_planning.
+    get_global_kv_cache_groups, and the DCP interleave size they decide),
+    then kv_cache_planning.get_kv_cache_configs with them; in 0.32,
+    kv_cache_utils.get_kv_cache_configs. Not 0.33's tests/v1/core/utils.py
+    helper of the same name: the checkout's tests/ may be another release
+    than the vLLM under test (``--vllm-source`` of a main tree)."""
+    if kv_cache_planning is None:
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs as configs
+
+        return configs(vllm_config, kv_cache_specs, available_memory)
+    groups = kv_cache_planning.get_global_kv_cache_groups(vllm_config, kv_cache_specs)
+    vllm_config.adjust_dcp_kv_cache_interleave_size(groups)
+    return kv_cache_planning.get_kv_cache_configs(
+        vllm_config, kv_cache_specs, available_memory, groups
+    )
 
 
 @dataclass(frozen=True)
