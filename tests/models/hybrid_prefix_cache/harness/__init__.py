@@ -152,6 +152,7 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (  # noqa: F401
     server_args,
 )
 from tests.models.hybrid_prefix_cache.harness.matrix import (  # noqa: F401
+    CASE_TURNS,
     CONCURRENT,
     SERVERS_MARK,
     Case,
