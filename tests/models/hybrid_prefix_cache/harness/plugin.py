@@ -10,7 +10,11 @@ of every case, and where the session's time went.
 
 Not here: the ``should_do_global_cleanup_after_test`` override, which stays in
 ``hybrid_prefix_cache/conftest.py`` alone, because the Kimi-K3 module's
-folder holds upstream's GPU tests, which need vLLM's global cleanup."""
+folder holds upstream's GPU tests, which need vLLM's global cleanup.
+
+PYTEST_DONT_REWRITE: the Kimi-K3 module imports this module (through the
+harness package) before pytest reads its ``pytest_plugins``, which would
+otherwise warn that it is too late to rewrite the assertions it has none of."""
 
 import json
 import time
