@@ -2,26 +2,42 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 #
-# Install the KV connector packages (NIXL, Mooncake and friends) that match
-# the platform of the `python3` on PATH:
-#   CUDA  the requirements for torch's CUDA major version, then exactly one
-#         NIXL wheel variant, nixl-cu12 or nixl-cu13, matching that version,
-#         and exactly one build of the Mooncake transfer engine: the
-#         requirements name mooncake-transfer-engine, the CUDA 12 build, which
-#         stays on CUDA 12; on CUDA 13 it is replaced by
-#         mooncake-transfer-engine-cuda13 of the same version. Both NIXL and
-#         Mooncake must import afterwards;
-#   ROCm  the ROCm requirements;
-#   CPU   NIXL alone (vLLM's NixlConnector runs with kv_buffer_device "cpu"):
-#         the nixl meta package without its dependencies, which would pull
-#         both CUDA variants, plus nixl-cu12, the module NIXL loads when there
-#         is no CUDA. No Mooncake on CPU: only the GPU tier's Mooncake store
-#         case uses it.
-# torch (and the packages built with it) are held at their installed versions.
-# Idempotent. Prints what is installed at the end.
+# Install the KV connector packages that the hybrid prefix-cache suite uses
+# (NIXL, and on CUDA the Mooncake transfer engine), locked: each at one exact
+# version, with --no-deps, so that nothing is resolved at install time and a
+# new release of anything cannot change what a step runs. That is how vLLM's
+# CI installs a package into a test image where it counts the installation
+# as locked (0.33.0's .buildkite/test_areas/distributed.yaml:
+# `uv pip install --system --no-deps 'ray==2.56.1'`), where it disables the
+# steps whose installs still resolve ranges or transitive dependencies
+# ("Disabled until the KV connectors installation is locked", "until b12x
+# transitive dependencies are locked" for `b12x==1.5.1` with its
+# dependencies), and where its test images come from compiled locks
+# (requirements/test/*.txt, `uv pip compile`). The versions:
+#   NIXL      the requirements' `nixl==X` pin (requirements/kv_connectors.txt
+#             on CUDA 13, kv_connectors_cu12.txt on CUDA 12), or on CPU
+#             CPU_NIXL_VERSION below; the nixl meta package and exactly one
+#             wheel variant, nixl-cu12 or nixl-cu13 by torch's CUDA major (on
+#             CPU nixl-cu12, the module NIXL loads without CUDA; vLLM's
+#             NixlConnector runs there with kv_buffer_device "cpu"). Both
+#             need only torch and numpy, which the image has;
+#   Mooncake  MOONCAKE_VERSION below, because the requirements name it with
+#             a range (`mooncake-transfer-engine >= 0.3.12`): the CUDA 12
+#             build on CUDA 12, mooncake-transfer-engine-cuda13 on CUDA 13
+#             (vLLM's Dockerfile swaps them the same way), never both (they
+#             ship the same `mooncake` package). The script fails if the
+#             requirements' range excludes the locked version;
+#   ROCm      the packages of requirements/kv_connectors_rocm.txt, at the
+#             versions vLLM's ROCm test lock (requirements/test/rocm.txt)
+#             pins, where the image lacks them.
+# Not installed: the requirements' other packages (LMCache, CuPy, cuda-python),
+# which have no locked version there and which the suite does not use.
+# Afterwards NIXL (and Mooncake, where installed) must import, at the locked
+# versions. Idempotent. Prints what is installed at the end.
 #
-#   KV_CONNECTORS_REQUIREMENTS  requirements file to use instead of the default
-#                               (on CPU, its `nixl==X` pin sets the version)
+#   KV_CONNECTORS_REQUIREMENTS  requirements file whose `nixl==X` pin and
+#                               Mooncake range to use instead of the default
+#                               (it is read, not installed)
 #   KV_CONNECTORS_DRY_RUN=1     print the install commands instead of running
 #                               them (the platform is still probed)
 set -euo pipefail
@@ -29,6 +45,9 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 REQUIREMENTS_DIR="$ROOT/requirements"
 CPU_NIXL_VERSION=1.5.1
+# Within the range of 0.32.0's and 0.33.0's requirements (>= 0.3.12); both
+# Mooncake builds are published at it.
+MOONCAKE_VERSION=0.3.13.post1
 DRY_RUN=${KV_CONNECTORS_DRY_RUN:-0}
 
 fail() {
@@ -77,21 +96,8 @@ PY
 [ "$PLATFORM" != error ] || fail "cannot import torch with $PYTHON"
 echo "install-kv-connectors: $PLATFORM platform (python: $PYTHON)"
 
-# Hold torch and its companions at what is installed.
-CONSTRAINTS=$(mktemp)
-trap 'rm -f "$CONSTRAINTS"' EXIT
-if [ "$DRY_RUN" != 1 ]; then
-    "$PYTHON" - >"$CONSTRAINTS" <<'PY'
-import importlib.metadata as md
-
-for name in ("torch", "torchaudio", "torchvision", "triton", "cuda-python",
-             "cuda-bindings", "cuda-toolkit"):
-    try:
-        print(f"{name}=={md.version(name)}")
-    except md.PackageNotFoundError:
-        pass
-PY
-fi
+# Every install: exact versions, nothing resolved.
+pip_install_locked() { pip_install --no-deps "$@"; }
 
 nixl_pin() {  # nixl_pin FILE: the version of the `nixl==X` line in FILE
     sed -n 's/^nixl *== *\([^ ;#]*\).*/\1/p' "$1" | head -n 1
@@ -104,24 +110,68 @@ MOONCAKE_CU12=mooncake-transfer-engine
 MOONCAKE_CU13=mooncake-transfer-engine-cuda13
 MOONCAKE=  # the build this script installed and checks; none off CUDA
 
-names_mooncake() {  # names_mooncake FILE: whether FILE requires the CUDA 12 build
-    grep -Eq "^$MOONCAKE_CU12 *([<>=!~;#\[]|\$)" "$1"
+mooncake_range() {  # mooncake_range FILE: the CUDA 12 build's line in FILE
+    grep -E "^$MOONCAKE_CU12 *([<>=!~;#\[]|\$)" "$1" | head -n 1
 }
 
-installed_version() {  # installed_version NAME: NAME's installed version
-    "$PYTHON" - "$1" <<'PY'
-import importlib.metadata as md
+# Whether VERSION is within the requirement line REQ (PEP 440, with the
+# packaging library vLLM depends on).
+within() {  # within REQ VERSION
+    "$PYTHON" - "$1" "$2" <<'PY'
 import sys
 
-print(md.version(sys.argv[1]))
+from packaging.requirements import Requirement
+
+requirement, version = Requirement(sys.argv[1].split("#", 1)[0]), sys.argv[2]
+sys.exit(0 if requirement.specifier.contains(version, prereleases=True) else 1)
 PY
+}
+
+unlocked() {  # unlocked FILE: the packages of FILE this script leaves out
+    grep -Ev "^ *(#|-|$)|^(nixl|$MOONCAKE_CU12) *([<>=!~;#\[]|\$)" "$1" |
+        sed 's/[ <>=!~;#\[].*//' | paste -sd, - | sed 's/,/, /g'
 }
 
 case "$PLATFORM" in
     rocm)
+        # The packages of the ROCm requirements that the image lacks, at the
+        # versions of vLLM's ROCm test lock.
         REQUIREMENTS=${KV_CONNECTORS_REQUIREMENTS:-$REQUIREMENTS_DIR/kv_connectors_rocm.txt}
+        LOCK=$REQUIREMENTS_DIR/test/rocm.txt
         [ -f "$REQUIREMENTS" ] || fail "no requirements file $REQUIREMENTS"
-        pip_install -c "$CONSTRAINTS" -r "$REQUIREMENTS"
+        [ -f "$LOCK" ] || fail "no lock file $LOCK"
+        PINS=$("$PYTHON" - "$REQUIREMENTS" "$LOCK" "$DRY_RUN" <<'PY'
+import importlib.metadata as md
+import re
+import sys
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+requirements, lock, dry_run = sys.argv[1:]
+pins = {}
+for line in open(lock):
+    match = re.match(r"([A-Za-z0-9_.-]+)==(\S+)", line)
+    if match:
+        pins[canonicalize_name(match.group(1))] = match.group(2)
+for line in open(requirements):
+    line = line.split("#", 1)[0].strip()
+    if not line or line.startswith("-"):
+        continue
+    name = canonicalize_name(Requirement(line).name)
+    if name not in pins:
+        sys.exit(f"{name}: no version in {lock}")
+    try:
+        if md.version(name) == pins[name] and dry_run != "1":
+            continue
+    except md.PackageNotFoundError:
+        pass
+    print(f"{name}=={pins[name]}")
+PY
+        ) || fail "the ROCm requirements are not all locked (see above)"
+        # One NAME==VERSION a line, no spaces: split into arguments.
+        # shellcheck disable=SC2086
+        [ -z "$PINS" ] || pip_install_locked $PINS
         ;;
     cuda)
         case "$CUDA_MAJOR" in
@@ -133,36 +183,30 @@ case "$PLATFORM" in
         [ -f "$REQUIREMENTS" ] || fail "no requirements file $REQUIREMENTS"
         NIXL_VERSION=$(nixl_pin "$REQUIREMENTS")
         [ -n "$NIXL_VERSION" ] || fail "no nixl==VERSION pin in $REQUIREMENTS"
-        pip_install -c "$CONSTRAINTS" -r "$REQUIREMENTS"
-        # The nixl meta package may bring both CUDA variants; keep only the
-        # one that links against this image's CUDA runtime.
+        # Keep only the NIXL variant that links against this image's CUDA
+        # runtime.
         OTHER=$([ "$CUDA_MAJOR" = 12 ] && echo 13 || echo 12)
         pip_uninstall "nixl-cu$OTHER"
-        pip_install --no-deps "nixl-cu$CUDA_MAJOR==$NIXL_VERSION"
-        if ! names_mooncake "$REQUIREMENTS"; then
+        pip_install_locked "nixl==$NIXL_VERSION" "nixl-cu$CUDA_MAJOR==$NIXL_VERSION"
+        RANGE=$(mooncake_range "$REQUIREMENTS")
+        if [ -z "$RANGE" ]; then
             echo "install-kv-connectors: no $MOONCAKE_CU12 in $REQUIREMENTS;" \
                 "Mooncake left as it is"
-        elif [ "$CUDA_MAJOR" = 12 ]; then
-            # The requirements installed the CUDA 12 build: nothing to swap.
-            MOONCAKE=$MOONCAKE_CU12
         else
-            # The CUDA 12 build links libcudart.so.12, which a CUDA 13 image
-            # lacks: swap it for the CUDA 13 build of the version the
-            # requirements resolved. Remove both builds first: on a second
-            # run the requirements have just put the CUDA 12 build's files
-            # over the CUDA 13 build's, which must then be installed anew.
-            MOONCAKE=$MOONCAKE_CU13
-            if [ "$DRY_RUN" = 1 ]; then
-                MOONCAKE_VERSION="<installed-$MOONCAKE_CU12-version>"
-            else
-                MOONCAKE_VERSION=$(installed_version "$MOONCAKE_CU12") ||
-                    fail "$REQUIREMENTS names $MOONCAKE_CU12, but it is not installed"
-            fi
+            within "$RANGE" "$MOONCAKE_VERSION" ||
+                fail "$REQUIREMENTS asks for '$RANGE', outside the locked" \
+                    "Mooncake $MOONCAKE_VERSION: lock a version within it"
+            MOONCAKE=$([ "$CUDA_MAJOR" = 12 ] && echo "$MOONCAKE_CU12" || echo "$MOONCAKE_CU13")
+            # Both builds go first: an earlier install of the other build
+            # may have put its files over this one's.
             pip_uninstall "$MOONCAKE_CU12" "$MOONCAKE_CU13"
-            pip_install -c "$CONSTRAINTS" "$MOONCAKE_CU13==$MOONCAKE_VERSION"
-        fi
-        [ -z "$MOONCAKE" ] ||
+            pip_install_locked "$MOONCAKE==$MOONCAKE_VERSION"
             echo "install-kv-connectors: Mooncake for CUDA $CUDA_MAJOR: $MOONCAKE"
+        fi
+        LEFT_OUT=$(unlocked "$REQUIREMENTS")
+        [ -z "$LEFT_OUT" ] ||
+            echo "install-kv-connectors: not installed (not locked, not used by" \
+                "the suite): $LEFT_OUT"
         ;;
     cpu)
         NIXL_VERSION=$CPU_NIXL_VERSION
@@ -173,32 +217,38 @@ case "$PLATFORM" in
             [ -n "$NIXL_VERSION" ] ||
                 fail "no nixl==VERSION pin in $KV_CONNECTORS_REQUIREMENTS"
         fi
-        pip_install -c "$CONSTRAINTS" --no-deps "nixl==$NIXL_VERSION"
-        pip_install -c "$CONSTRAINTS" "nixl-cu12==$NIXL_VERSION"
+        pip_install_locked "nixl==$NIXL_VERSION" "nixl-cu12==$NIXL_VERSION"
         ;;
 esac
 
 [ "$DRY_RUN" = 1 ] && exit 0
-"$PYTHON" - <<'PY' || fail "NIXL is installed but does not import (see above)"
+"$PYTHON" - "${NIXL_VERSION:-}" <<'PY' ||
 import importlib.metadata as md
+import sys
 
+locked = sys.argv[1]
 for name in ("nixl", "nixl-cu12", "nixl-cu13"):
     try:
-        print(f"install-kv-connectors: {name} {md.version(name)}")
+        version = md.version(name)
     except md.PackageNotFoundError:
         print(f"install-kv-connectors: {name} not installed")
+        continue
+    print(f"install-kv-connectors: {name} {version}")
+    if locked and version != locked:
+        sys.exit(f"{name} {version} is installed, not the locked {locked}")
 import nixl  # noqa: F401
 PY
+    fail "NIXL is not installed at its locked version or does not import (see above)"
 [ -n "$MOONCAKE" ] || exit 0
 # This CUDA major's Mooncake build alone, its engine loading (the wrong build
 # fails here on its libcudart, not in the middle of a test) and its master on
 # PATH, where the store's test starts it.
-"$PYTHON" - "$MOONCAKE" "$MOONCAKE_CU12" "$MOONCAKE_CU13" <<'PY' ||
+"$PYTHON" - "$MOONCAKE" "$MOONCAKE_VERSION" "$MOONCAKE_CU12" "$MOONCAKE_CU13" <<'PY' ||
 import importlib.metadata as md
 import shutil
 import sys
 
-wanted, *builds = sys.argv[1:]
+wanted, locked, *builds = sys.argv[1:]
 installed = []
 for name in builds:
     try:
@@ -208,6 +258,8 @@ for name in builds:
         print(f"install-kv-connectors: {name} not installed")
 if installed != [wanted]:
     sys.exit(f"expected {wanted} alone of the Mooncake builds, found {installed}")
+if md.version(wanted) != locked:
+    sys.exit(f"{wanted} {md.version(wanted)} is installed, not the locked {locked}")
 from mooncake.engine import TransferEngine  # noqa: F401
 from mooncake.store import MooncakeDistributedStore  # noqa: F401
 

@@ -9,7 +9,7 @@ import pytest
 from tests.models.hybrid_prefix_cache.harness.plugin import *  # noqa: F401,F403
 
 
-# Here, not in the plugin: models/kimi_k3, whose conftest re-exports the
+# Here, not in the plugin: models/kimi_k3, whose prefix-cache module loads the
 # plugin too, holds upstream's GPU tests, which need the global cleanup.
 @pytest.fixture
 def should_do_global_cleanup_after_test() -> bool:

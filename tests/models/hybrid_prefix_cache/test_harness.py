@@ -9,6 +9,7 @@ from typing import get_args
 import pytest
 
 from tests.models.hybrid_prefix_cache.harness import (
+    CASE_TURNS,
     EXTERNAL_HITS,
     EXTERNAL_QUERIES,
     PREFIX_HITS,
@@ -31,6 +32,7 @@ from tests.models.hybrid_prefix_cache.harness import (
     Suite,
     Turn,
     Units,
+    case_seconds,
     counter_problems,
     device_ranges,
     drafting,
@@ -52,6 +54,7 @@ from tests.models.hybrid_prefix_cache.harness import (
     server_specs,
     servers_mark,
     shape_length,
+    shard_by_cost,
 )
 from vllm.config import VllmConfig
 from vllm.config.speculative import SpeculativeConfig, SpeculativeMethod
@@ -635,9 +638,9 @@ def test_compares_logprobs_only_across_equal_tp():
 
 
 class _Item:
-    def __init__(self, name, key=None):
+    def __init__(self, name, key=None, seconds=None):
         self.name = name
-        self.marks = [] if key is None else [servers_mark(key).mark]
+        self.marks = [] if key is None else [servers_mark(key, seconds).mark]
 
     def get_closest_marker(self, name):
         return next((m for m in self.marks if m.name == name), None)
@@ -654,6 +657,29 @@ def test_group_by_servers():
     ]
     group_by_servers(items)
     assert [i.name for i in items] == ["a", "f", "b", "e", "c", "d"]
+
+
+def test_shard_by_cost():
+    """Whole server groups, most costly first, to the job with the least
+    cost so far; every job computes the same split; an item without a cost
+    leaves the split to pytest-shard."""
+    items = [
+        _Item("pd", "pd", 400),
+        _Item("a", "plain", 200),
+        _Item("a-resend", "plain", 40),
+        _Item("b", "offload", 200),
+        _Item("c", "dcp", 200),
+    ]
+    jobs = [[i.name for i in shard_by_cost(items, j, 2)] for j in range(2)]
+    assert jobs == [["pd", "c"], ["a", "a-resend", "b"]]
+    assert [[i.name for i in shard_by_cost(items, j, 3)] for j in range(3)] == [
+        ["pd"],
+        ["a", "a-resend"],
+        ["b", "c"],
+    ]
+    assert shard_by_cost([*items, _Item("free", "x")], 0, 2) is None
+    assert case_seconds(2, 4) == 2 * case_seconds(1, 4)
+    assert case_seconds(1, 2, start=False) < case_seconds(1, 2)
 
 
 def test_matrix_builds_cases_known_failures_and_params():
@@ -707,6 +733,10 @@ def test_matrix_builds_cases_known_failures_and_params():
     exact = [m.name for m in params["plain-partial-exact"].marks]
     assert exact == [SERVERS_MARK]
     assert params["plain-partial-exact"].marks[0].args == ("plain-partial",)
+    # A cell's first case starts its servers; its sweep's reuse them.
+    seconds = {i: p.marks[0].kwargs["seconds"] for i, p in params.items()}
+    assert seconds["plain-partial"] == case_seconds(1, CASE_TURNS)
+    assert seconds["plain-partial-exact"] == case_seconds(1, CASE_TURNS, start=False)
 
 
 class _RefusingPool(ServerPool):

@@ -13,6 +13,9 @@ what they are asked to do) and, on this platform, have installed a NIXL that
 imports.
 """
 
+import ast
+import contextlib
+import inspect
 import json
 import os
 import re
@@ -27,6 +30,7 @@ import pytest
 import yaml
 
 import vllm
+from tests.models.kimi_k3 import test_prefix_cache as kimi
 from tests.models.kimi_k3.test_prefix_cache_matrix import collected_ids
 from vllm.platforms import current_platform
 
@@ -42,6 +46,7 @@ OUR_KEYS = (SINGLE_GPU_KEY, SHARDED_KEY, CPU_KEY)
 # The folders of this suite: a step that imports a file of theirs must list
 # it (or its folder) among its source_file_dependencies.
 SUITE_FOLDERS = ("tests/models/hybrid_prefix_cache/", "tests/models/kimi_k3/")
+HARNESS = "tests/models/hybrid_prefix_cache/harness/"
 MOONCAKE_CU12 = "mooncake-transfer-engine"
 MOONCAKE_CU13 = "mooncake-transfer-engine-cuda13"
 # The installed vllm package stands for the checkout's source vllm/ folder
@@ -63,11 +68,30 @@ def _step(key: str) -> dict:
 
 
 def _pytest_commands(step: dict) -> list[list[str]]:
-    commands = [
-        *step["commands"],
-        *step.get("mirror", {}).get("amd", {}).get("commands", []),
+    return [argv for argv, _ in _pytest_runs(step)]
+
+
+# Where a step's commands run unless it says otherwise (vLLM's pipeline
+# generator gives every step of .buildkite/test_areas this working_dir).
+DEFAULT_WORKING_DIR = "/vllm-workspace/tests"
+
+
+def _here(working_dir: str) -> Path:
+    """The folder of this checkout that a CI working_dir is."""
+    relative = Path(working_dir).relative_to("/vllm-workspace")
+    return ROOT / relative
+
+
+def _pytest_runs(step: dict) -> list[tuple[list[str], Path]]:
+    """A step's pytest commands (its mirror's too), each split into words,
+    with the folder of this checkout it runs in."""
+    here = step.get("working_dir", DEFAULT_WORKING_DIR)
+    amd = step.get("mirror", {}).get("amd", {})
+    runs = [(c, here) for c in step.get("commands", [])]
+    runs += [(c, amd.get("working_dir", here)) for c in amd.get("commands", [])]
+    return [
+        (shlex.split(c), _here(folder)) for c, folder in runs if c.startswith("pytest ")
     ]
-    return [shlex.split(c) for c in commands if c.startswith("pytest ")]
 
 
 def _collect_args(argv: list[str], shard: tuple[int, int] | None) -> list[str]:
@@ -104,9 +128,13 @@ def collect(
     shard: tuple[int, int] | None = None,
     extra: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
+    cwd: Path = TESTS,
+    errors: list[str] | None = None,
 ) -> list[str]:
-    """The node ids a step's pytest command selects, run from tests/ in a
-    fresh interpreter (``extra`` pytest arguments and ``env`` added)."""
+    """The node ids a step's pytest command selects, run from ``cwd``
+    (tests/, where our steps run) in a fresh interpreter (``extra`` pytest
+    arguments and ``env`` added); ``errors`` gets the modules that failed
+    to collect, with pytest's error."""
     args = _collect_args(argv, shard)
     result = subprocess.run(
         [
@@ -121,13 +149,19 @@ def collect(
             *extra,
             *args,
         ],
-        cwd=TESTS,
+        cwd=cwd,
         env=None if env is None else {**os.environ, **env},
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert result.returncode in (0, 1), result.stdout[-3000:] + result.stderr[-3000:]
+    if errors is not None:
+        errors += [
+            line.strip("_ ")
+            for line in result.stdout.splitlines()
+            if "ERROR collecting" in line or line.startswith("E   ")
+        ]
     return [line for line in result.stdout.splitlines() if "::" in line]
 
 
@@ -160,10 +194,10 @@ def test_source_file_dependencies_exist(key):
 
 @pytest.mark.parametrize("key", OUR_KEYS)
 def test_command_test_paths_exist(key):
-    for argv in _pytest_commands(_step(key)):
+    for argv, here in _pytest_runs(_step(key)):
         paths = [a for a in argv[1:] if not a.startswith("-")]
         ignored = [a.split("=", 1)[1] for a in argv if a.startswith("--ignore=")]
-        missing = [p for p in paths + ignored if not (TESTS / p).exists()]
+        missing = [p for p in paths + ignored if not (here / p).exists()]
         assert not missing, f"{key}: {shlex.join(argv)} names missing {missing}"
 
 
@@ -190,9 +224,11 @@ def _has_code(path: Path) -> bool:
     return any(line and not line.startswith("#") for line in lines)
 
 
-def imported_suite_files(argv: list[str], tmp_path: Path) -> set[str]:
-    """The files of the suite's folders that collecting ``argv`` imports,
-    relative to the checkout."""
+def imported_suite_files(
+    argv: list[str], tmp_path: Path, cwd: Path = TESTS
+) -> set[str]:
+    """The files of the suite's folders that collecting ``argv`` (run from
+    ``cwd``) imports, relative to the checkout."""
     (tmp_path / "record_imports.py").write_text(RECORD_IMPORTS)
     record = tmp_path / "imports.txt"
     pythonpath = os.pathsep.join(
@@ -202,6 +238,7 @@ def imported_suite_files(argv: list[str], tmp_path: Path) -> set[str]:
         argv,
         extra=("-p", "record_imports"),
         env={"PYTHONPATH": pythonpath, "RECORD_IMPORTS_TO": str(record)},
+        cwd=cwd,
     )
     files = set()
     for line in record.read_text().splitlines():
@@ -214,31 +251,85 @@ def imported_suite_files(argv: list[str], tmp_path: Path) -> set[str]:
     return files
 
 
-@pytest.mark.parametrize("key", OUR_KEYS)
-def test_source_file_dependencies_cover_imported_suite_files(tmp_path, key):
-    """A change to any file of the suite that a step's pytest commands import
-    (conftest.py files, the harness, whatever it becomes) triggers the step."""
-    step = _step(key)
-    listed = step["source_file_dependencies"]
+def _collects_suite_folders(step: dict) -> bool:
+    """Whether one of a step's pytest commands collects from a folder of
+    the suite (and so loads what pytest loads there)."""
+    for argv, here in _pytest_runs(step):
+        for arg in argv[1:]:
+            if arg.startswith("-"):
+                continue
+            path = (here / arg.split("::")[0]).resolve()
+            if not path.is_relative_to(ROOT):
+                continue
+            relative = path.relative_to(ROOT).as_posix() + "/"
+            if relative.startswith(SUITE_FOLDERS):
+                return True
+    return False
 
-    def imports(index: int, argv: list[str]) -> set[str]:
+
+# Every step of the merged file, ours or upstream's, that collects from the
+# suite's folders: upstream's too load what the suite puts there (0.33.0's
+# kimi-k3-specialized-decode-amd collects models/kimi_k3/amd_specialized_decode).
+COLLECTING_KEYS = [s["key"] for s in _steps() if _collects_suite_folders(s)]
+
+
+def covered(path: str, listed: list[str]) -> bool:
+    """Whether a trigger of ``listed`` (a file, or a folder ending in /)
+    covers ``path``."""
+    return any(path == d or (d.endswith("/") and path.startswith(d)) for d in listed)
+
+
+def step_imports(step: dict, tmp_path: Path) -> set[str]:
+    """The files of the suite that a step's pytest commands import."""
+
+    def imports(index: int, run: tuple[list[str], Path]) -> set[str]:
+        argv, here = run
         # Every shard imports the same files.
         argv = [a for a in argv if not a.startswith(("--shard-id", "--num-shards"))]
         folder = tmp_path / str(index)
         folder.mkdir()
-        return imported_suite_files(argv, folder)
+        return imported_suite_files(argv, folder, here)
 
     # Each command's collection in a fresh interpreter of its own, all at once.
-    commands = _pytest_commands(step)
-    with ThreadPoolExecutor(len(commands)) as pool:
-        imported = set().union(*pool.map(imports, range(len(commands)), commands))
-    assert any(f.endswith("/conftest.py") for f in imported), imported
-    missing = sorted(
-        f
-        for f in imported
-        if not any(f == d or (d.endswith("/") and f.startswith(d)) for d in listed)
-    )
+    runs = _pytest_runs(step)
+    with ThreadPoolExecutor(len(runs)) as pool:
+        return set().union(*pool.map(imports, range(len(runs)), runs))
+
+
+@pytest.mark.parametrize("key", COLLECTING_KEYS)
+def test_source_file_dependencies_cover_imported_suite_files(tmp_path, key):
+    """A change to any file of the suite that a step's pytest commands import
+    (conftest.py files, the harness, whatever it becomes) triggers the step:
+    ours, and upstream's that collect from the suite's folders, which must
+    import nothing of ours that is not among their triggers (no conftest.py
+    of ours in models/kimi_k3/: the Kimi module loads the plugin itself)."""
+    step = _step(key)
+    imported = step_imports(step, tmp_path)
+    if key in OUR_KEYS:
+        # The recorder saw the suite: every step of ours loads the harness.
+        assert any(f.startswith(HARNESS) for f in imported), imported
+    listed = step.get("source_file_dependencies") or []
+    listed = [
+        *listed,
+        *step.get("mirror", {}).get("amd", {}).get("source_file_dependencies", []),
+    ]
+    missing = sorted(f for f in imported if not covered(f, listed))
     assert not missing, f"{key}: imports {missing}, not in its trigger list"
+
+
+def test_upstream_steps_in_the_suite_folders_load_no_suite_conftest():
+    """No conftest.py of ours in models/kimi_k3/, where upstream's own steps
+    collect: the Kimi module loads the suite's plugin itself."""
+    ours = [
+        path
+        for path in (TESTS / "models/kimi_k3").rglob("conftest.py")
+        if "hybrid_prefix_cache" in path.read_text()
+    ]
+    assert not ours, ours
+    assert (
+        "tests.models.hybrid_prefix_cache.harness.plugin"
+        in (TESTS / MATRIX_MODULE).read_text()
+    )
 
 
 # dev/suite.sh and dev/provision.sh keep vLLM's sdist beside the checkout they
@@ -277,38 +368,240 @@ def test_upstream_area_skips_only_outside_an_sdist_checkout(tmp_path, monkeypatc
         upstream_area()
 
 
-def test_sharded_timeout_not_below_upstreams():
-    upstream = yaml.safe_load(upstream_area())["steps"]
-    # The step whose pytest runs the matrix module (not one that ignores it).
-    (theirs,) = [
-        step
-        for step in upstream
-        if any(MATRIX_MODULE in shlex.split(c) for c in step.get("commands", []))
+def upstream_steps(text: str) -> list[tuple[dict, list[str] | None]]:
+    """Upstream's steps, active and commented out, in order: (the step,
+    None for an active one, else the comment lines right above it). A
+    commented-out step is a ``# - `` line and the ``#   `` lines under it
+    (how vLLM disables a step), which read as one step once uncommented."""
+    steps: list[tuple[dict, list[str] | None]] = []
+    lines = text.splitlines()
+    active = iter(yaml.safe_load(text)["steps"])
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("- "):
+            steps.append((next(active), None))
+        elif line.startswith("# - "):
+            end = next(
+                (j for j in range(i + 1, len(lines)) if not lines[j].startswith("#  ")),
+                len(lines),
+            )
+            block = "\n".join(x[2:] for x in lines[i:end])
+            with contextlib.suppress(yaml.YAMLError, ValueError, KeyError, TypeError):
+                (step,) = yaml.safe_load(block)
+                step["key"]  # prose that reads as a list item is no step
+                lead = []
+                for above in reversed(lines[:i]):
+                    if not above.startswith("#") or above.startswith("#  "):
+                        break
+                    lead.insert(0, above)
+                steps.append((step, lead))
+            i = end
+            continue
+        i += 1
+    return steps
+
+
+def upstream_step(key: str) -> tuple[dict | None, list[str] | None]:
+    """Upstream's step ``key`` (active first, else commented out) and the
+    comment above it if commented out; (None, None) where upstream has none."""
+    found = [
+        (s, lead) for s, lead in upstream_steps(upstream_area()) if s["key"] == key
     ]
-    assert theirs["key"] == SHARDED_KEY
-    ours = _step(SHARDED_KEY)["timeout_in_minutes"]
-    assert ours >= theirs["timeout_in_minutes"], (
-        f"{SHARDED_KEY}: {ours} min, below upstream's "
-        f"{theirs['timeout_in_minutes']} min for fewer turns per case"
+    found.sort(key=lambda pair: pair[1] is not None)
+    return found[0] if found else (None, None)
+
+
+# The fields in which upstream decides how a step is scheduled and sharded
+# (dev/merge_steps.py takes them from upstream's step, active or not).
+FORM = ("label", "optional", "soft_fail", "automatic_shard", "parallelism")
+FORM += ("device", "num_devices")
+SHARD_FLAGS = ("--shard-id=$$BUILDKITE_PARALLEL_JOB",)
+SHARD_FLAGS += ("--num-shards=$$BUILDKITE_PARALLEL_JOB_COUNT",)
+
+
+def _sharding(step: dict) -> tuple:
+    return bool(step.get("automatic_shard")), step.get("parallelism")
+
+
+def test_upstream_steps_reads_commented_out_steps():
+    text = (
+        "steps:\n- label: a\n  key: a\n\n# Off until X.\n# - label: b\n"
+        "#   key: b\n#   # why\n#   optional: true\n\n# - prose, not a step\n"
     )
+    (a, none), (b, lead) = upstream_steps(text)
+    assert (a["key"], none) == ("a", None)
+    assert b == {"label": "b", "key": "b", "optional": True}
+    assert lead == ["# Off until X."]
+
+
+def test_sharded_timeout_not_below_upstreams():
+    """Where upstream shards the step as ours does, ours allows no less
+    time than upstream's; where it shards it otherwise (automatic_shard),
+    the merged step has upstream's timeout, which its shards are sized for."""
+    theirs, _ = upstream_step(SHARDED_KEY)
+    assert theirs is not None, f"upstream has no {SHARDED_KEY}, not even commented out"
+    assert MATRIX_MODULE in " ".join(theirs["commands"])
+    merged = _step(SHARDED_KEY)
+    ours, upstreams = merged["timeout_in_minutes"], theirs["timeout_in_minutes"]
+    if _sharding(merged) == _sharding(theirs) and "parallelism" in theirs:
+        assert ours >= upstreams, (
+            f"{SHARDED_KEY}: {ours} min, below upstream's {upstreams} min for "
+            "fewer turns per case"
+        )
+    else:
+        assert ours == upstreams, (ours, upstreams)
+
+
+def _block(text: str, key: str) -> list[str]:
+    """The lines of step ``key`` in a test-area file (uncommented, if it is
+    commented out there), from its ``- `` line to the next blank line."""
+    lines = [line[2:] if line.startswith("# ") else line for line in text.splitlines()]
+    (at,) = [i for i, line in enumerate(lines) if line == f"  key: {key}"]
+    start = max(i for i in range(at) if lines[i].startswith("- "))
+    end = next((i for i in range(at, len(lines)) if not lines[i].strip()), len(lines))
+    return lines[start:end]
+
+
+def _form_comments(block: list[str]) -> list[str]:
+    """The comment lines of a step that stand above one of its FORM fields."""
+    found, pending = [], []
+    for line in block:
+        if line.strip().startswith("#"):
+            pending.append(line)
+            continue
+        field = re.match(r"  ([a-z_]+):", line)
+        if field and field.group(1) in FORM:
+            found += pending
+        pending = []
+    return found
+
+
+@pytest.mark.parametrize("key", OUR_KEYS)
+def test_merged_step_takes_upstreams_form(key):
+    """Where upstream has the step, active or commented out, the merged step
+    is scheduled and sharded as upstream's (0.33.0: the 4xB200 step as
+    [Nightly], optional and automatic_shard, without pytest-shard's flags;
+    0.32.0: a per-PR step in 2 pytest-shard jobs, as before), upstream's
+    comments on those fields come with them, and a commented-out step's
+    comment stays right above it. A step upstream lacks is appended."""
+    theirs, lead = upstream_step(key)
+    merged = _step(key)
+    keys = [s["key"] for s in _steps()]
+    if theirs is None:
+        upstream_keys = [s["key"] for s, _ in upstream_steps(upstream_area())]
+        assert all(keys.index(key) > keys.index(k) for k in upstream_keys if k in keys)
+        return
+    for field in FORM:
+        assert merged.get(field) == theirs.get(field), (key, field)
+    for command in merged["commands"]:
+        if command.startswith("pytest "):
+            flags = [flag in command for flag in SHARD_FLAGS]
+            assert flags == [bool(merged.get("parallelism"))] * 2, (key, command)
+    text = AREA.read_text()
+    block = _block(text, key)
+    for comment in _form_comments(_block(upstream_area(), key)):
+        assert comment in block, f"{key}: upstream's {comment.strip()!r} is lost"
+    if lead is not None:
+        lines = text.splitlines()
+        label = lines.index(block[0])
+        assert lines[label - len(lead) : label] == lead, (
+            f"{key}: upstream's {lead} is not right above it"
+        )
+
+
+def _unsharded(argv: list[str]) -> list[str]:
+    return [a for a in argv if not a.startswith(("--shard-id", "--num-shards"))]
 
 
 def test_shards_select_every_matrix_case_once():
-    (argv,) = _pytest_commands(_step(SHARDED_KEY))
+    step = _step(SHARDED_KEY)
+    (argv,) = _pytest_commands(step)
     assert MATRIX_MODULE in argv
-    everything = collect_in_process(
-        [
-            a
-            for a in argv
-            if not a.startswith("--shard-id") and not a.startswith("--num-shards")
-        ]
-    )
-    shards = [collect_in_process(argv, shard=(i, 2)) for i in range(2)]
-    assert all(shards), "a shard selects nothing"
-    assert not set(shards[0]) & set(shards[1])
-    assert sorted(shards[0] + shards[1]) == sorted(everything)
+    everything = collect_in_process(_unsharded(argv))
     assert len(everything) == 31
     assert all(in_matrix(node) for node in everything)
+    jobs = step.get("parallelism")
+    if not jobs:
+        # One job runs everything unless vLLM's generator shards it.
+        assert step.get("automatic_shard"), f"{SHARDED_KEY} runs as one job"
+        return
+    shards = [collect_in_process(argv, shard=(i, jobs)) for i in range(jobs)]
+    assert all(shards), "a shard selects nothing"
+    for i, shard in enumerate(shards):
+        assert not set(shard) & set().union(*shards[i + 1 :]), i
+    assert sorted(sum(shards, [])) == sorted(everything)
+
+
+# The shard-balance check's own cost model of the Kimi matrix, in units of a
+# one-server cell: a P/D cell runs a prefiller and a decoder, twice the work
+# and the starts; a resend plays two requests on its cell's running servers;
+# the Mooncake resend starts one server for two requests.
+PD_CELL, ONE_SERVER_CELL, RESEND, MOONCAKE = 2.0, 1.0, 0.25, 0.75
+
+
+def _cost_and_servers(node: str) -> tuple[float, str]:
+    """A matrix test's cost and the key of the servers it runs on."""
+    name = node.split("::", 1)[1]
+    if name.startswith("test_prefix_cache["):
+        case = kimi.MATRIX.cases[name[len("test_prefix_cache[") : -1]]
+        pd = kimi.DEPLOYMENTS[case.deployment].prefill is not None
+        return (PD_CELL if pd else ONE_SERVER_CELL), case.cell
+    if name.startswith("test_exact_resend["):
+        return RESEND, f"plain-{kimi.RESEND_MODE}"
+    assert name == "test_mooncake_store_resend", name
+    return MOONCAKE, "mooncake"
+
+
+def test_shards_balance_cost_and_keep_servers_together():
+    """pytest-shard's hash of the node ids put 19 of the 31 tests, 9 of the
+    12 P/D cells, in one of 2 shards; the harness's plugin splits them by
+    cost instead. Each job's cost is within one one-server cell of an even
+    split, P/D cells are spread evenly, and tests that share servers share
+    a job."""
+    step = _step(SHARDED_KEY)
+    jobs = step.get("parallelism")
+    if not jobs:
+        pytest.skip(
+            "no pytest-shard jobs: vLLM's generator shards this step "
+            "(test_automatic_shard_gets_a_command_it_can_shard)"
+        )
+    (argv,) = _pytest_commands(step)
+    shards = [collect_in_process(argv, shard=(i, jobs)) for i in range(jobs)]
+    costs = [sum(_cost_and_servers(node)[0] for node in shard) for shard in shards]
+    assert max(costs) <= sum(costs) / jobs + ONE_SERVER_CELL, costs
+    pd = [sum(_cost_and_servers(n)[0] == PD_CELL for n in shard) for shard in shards]
+    assert max(pd) - min(pd) <= 1, pd
+    where: dict[str, set[int]] = {}
+    for i, shard in enumerate(shards):
+        for node in shard:
+            where.setdefault(_cost_and_servers(node)[1], set()).add(i)
+    split = {servers: jobs for servers, jobs in where.items() if len(jobs) > 1}
+    assert not split, f"tests that share servers run in several jobs: {split}"
+
+
+def test_automatic_shard_gets_a_command_it_can_shard():
+    """Under automatic_shard (0.33.0's form), vLLM's pipeline generator
+    collects the step's pytest commands and plans shards from main's timings
+    of each test, cutting only between tests in collection order; it refuses
+    a pytest command with shell syntax or pytest-shard's flags and then runs
+    the step as one job (ci-infra's buildkite/pipeline_generator/
+    runtime_shard.py, split_commands and plan). So: plain pytest commands,
+    and tests that share servers next to each other in collection order."""
+    step = _step(SHARDED_KEY)
+    if not step.get("automatic_shard"):
+        pytest.skip("pytest-shard jobs (test_shards_balance_...)")
+    assert "parallelism" not in step
+    commands = step["commands"]
+    first = next(i for i, c in enumerate(commands) if c.startswith("pytest "))
+    for command in commands[first:]:
+        assert command.startswith("pytest "), command
+        assert not re.search(r"[;&|<>`$]", command), command
+        assert "--shard-id" not in command and "--num-shards" not in command
+    (argv,) = _pytest_commands(step)
+    order = [_cost_and_servers(node)[1] for node in collect_in_process(argv)]
+    runs = [key for i, key in enumerate(order) if i == 0 or order[i - 1] != key]
+    assert len(runs) == len(set(runs)), f"servers apart in collection: {runs}"
 
 
 def test_single_gpu_step_collects_no_matrix_case():
@@ -318,6 +611,198 @@ def test_single_gpu_step_collects_no_matrix_case():
     assert not [n for n in nodes if in_matrix(n)]
 
 
+# ---------------------------------------------------------------------------
+# What the suite reads of vLLM, derived from the suite's files a step imports,
+# and the step's triggers, which must cover it.
+
+# A vLLM path as the suite's comments and strings name one ("the DCP branch
+# of v1/attention/backends/mla/flashinfer_mla.py"): under vllm/, or under one
+# of vLLM's own top folders (not models/, which the suite's comments use for
+# its tests/models/ folders).
+NAMED_PATH = re.compile(
+    r"(?<![\w/.])(?:vllm/([\w/]*\w(?:\.py)?)|((?:v1|distributed|entrypoints|"
+    r"model_executor|config|engine|attention)/[\w/]*\w(?:\.py)?))"
+)
+# What the suite imports of vLLM to run, not to check (its configs, argument
+# parsing, the platform it asks for, helpers): a change there shows in every
+# step of vLLM's, not in this suite's results.
+USED_NOT_CHECKED = (
+    "vllm/config/",
+    "vllm/engine/arg_utils.py",
+    "vllm/entrypoints/cli/",
+    "vllm/model_executor/models/",
+    "vllm/platforms/",
+    "vllm/sampling_params.py",
+    "vllm/utils/",
+    "vllm/v1/structured_output/",
+)
+METRIC_SUFFIXES = ("_total", "_count", "_sum", "_bucket", "_created")
+
+
+def _vllm_path(path: str) -> str | None:
+    """``path`` under vllm/ as a trigger (a folder ends in /), if vLLM has it."""
+    path = path.removeprefix("vllm/").rstrip("/")
+    full = VLLM_SOURCE_ROOT / "vllm" / path
+    if full.is_dir():
+        return f"vllm/{path}/"
+    if full.is_file():
+        return f"vllm/{path}"
+    return None
+
+
+def _module_path(module: str) -> str | None:
+    """The file (or package folder) of a vllm module, as a trigger."""
+    relative = module.replace(".", "/")
+    for candidate in (f"{relative}.py", f"{relative}/"):
+        if (found := _vllm_path(candidate)) is not None:
+            return found
+    return None
+
+
+def _vllm_files_with(literal: str, under: str = "") -> set[str]:
+    """The vLLM files (under ``under``) whose text holds ``literal``."""
+    root = VLLM_SOURCE_ROOT / "vllm" / under
+    return {
+        path.relative_to(VLLM_SOURCE_ROOT).as_posix()
+        for path in root.rglob("*.py")
+        if literal in path.read_text(errors="replace")
+    }
+
+
+def _connector_module(name: str) -> str:
+    """The module vLLM's connector factory loads for connector ``name``
+    (vllm/distributed/kv_transfer/kv_connector/factory.py registers each
+    with a lazy loader that holds its module path)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import (
+        KVConnectorFactory,
+    )
+
+    loader = KVConnectorFactory._registry[name]
+    return inspect.getclosurevars(loader).nonlocals["module_path"]
+
+
+def vllm_reads(files: set[str], named: bool = True) -> dict[str, str]:
+    """What the suite's ``files`` read of vLLM, as triggers: {path: why}.
+    The vLLM modules they import (less USED_NOT_CHECKED), the files they
+    name (``named``), the files defining the /metrics counters they read,
+    the routes they call (``url_for``) and the connectors they configure
+    (``kv_connector``)."""
+    reads: dict[str, str] = {}
+    for file in sorted(files):
+        text = (ROOT / file).read_text()
+        tree = ast.parse(text)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "vllm."
+            ):
+                path = _module_path(node.module)
+                if path and not covered(path, list(USED_NOT_CHECKED)):
+                    reads.setdefault(path, f"{file} imports {node.module}")
+            if isinstance(node, ast.Call) and node.args:
+                first = node.args[0]
+                if not isinstance(first, ast.Constant) or not isinstance(
+                    first.value, str
+                ):
+                    continue
+                called = getattr(node.func, "attr", getattr(node.func, "id", ""))
+                if called == "url_for":
+                    route = f'"/{first.value}"'
+                    found = _vllm_files_with(route, "entrypoints")
+                    assert found, f"{file} calls {route}, which vLLM serves nowhere"
+                    for path in found:
+                        reads.setdefault(path, f"{file} calls {route}")
+                elif called == "kv_connector":
+                    path = _module_path(_connector_module(first.value))
+                    assert path, first.value
+                    reads.setdefault(path, f"{file} configures {first.value}")
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                metric = re.fullmatch(r"vllm:\w+", node.value)
+                if metric:
+                    base = node.value
+                    for suffix in METRIC_SUFFIXES:
+                        base = base.removesuffix(suffix)
+                    found = _vllm_files_with(f'"{base}"')
+                    assert found, (
+                        f"{file} reads {node.value}, which vLLM defines nowhere"
+                    )
+                    for path in found:
+                        reads.setdefault(path, f"{file} reads {node.value}")
+        if named:
+            for match in NAMED_PATH.finditer(text):
+                path = _vllm_path(match.group(1) or match.group(2))
+                # vllm/__init__.py names the package (what a reproducer must
+                # not import), not where a rule comes from.
+                if path and path != "vllm/__init__.py":
+                    reads.setdefault(path, f"{file} names {match.group(0)}")
+    return reads
+
+
+def _uncovered(step: dict, reads: dict[str, str]) -> list[str]:
+    listed = step["source_file_dependencies"]
+    return [
+        f"{path} ({why})" for path, why in reads.items() if not covered(path, listed)
+    ]
+
+
+# What the issue named as missing from the 4xB200 step's triggers; the
+# derivation must find each (a derivation that found nothing would pass).
+SHARDED_STEP_READS = (
+    "vllm/v1/metrics/",
+    "vllm/v1/engine/output_processor.py",
+    "vllm/entrypoints/serve/dev/cache/api_router.py",
+    "vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py",
+    "vllm/v1/attention/backends/mla/flashinfer_mla.py",
+)
+
+
+def test_sharded_step_triggers_on_what_the_harness_reads(tmp_path):
+    """The 4xB200 step starts on a change to whatever vLLM file the suite's
+    files it imports read (vllm_reads), e.g. a fix to vLLM #59392 in
+    flashinfer_mla.py, which its known-failure table names."""
+    step = _step(SHARDED_KEY)
+    reads = vllm_reads(step_imports(step, tmp_path))
+    for path in SHARDED_STEP_READS:
+        assert any(covered(r, [path]) or r == path for r in reads), (path, reads)
+    missing = _uncovered(step, reads)
+    assert not missing, f"{SHARDED_KEY} misses triggers: {missing}"
+
+
+# The scheduler tier: the per-PR fast signal for the Kimi matrix, on CPU.
+SCHEDULER_TIER = (
+    "tests/models/hybrid_prefix_cache/scheduler_replay.py",
+    "tests/models/hybrid_prefix_cache/test_scheduler_conformance.py",
+)
+
+
+def test_cpu_step_runs_the_scheduler_tier():
+    """The CPU step's pytest commands select the scheduler tier's Kimi-K3
+    cells (test_scheduler_conformance.py), and it collects."""
+    errors: list[str] = []
+    nodes = []
+    for argv, here in _pytest_runs(_step(CPU_KEY)):
+        nodes += collect(argv, cwd=here, errors=errors)
+    tier = [n for n in nodes if "/test_scheduler_conformance.py::" in n]
+    assert any("kimi" in n for n in tier), (
+        f"{CPU_KEY} runs no Kimi-K3 cell of the scheduler tier: "
+        + ("\n".join(errors) or "its commands do not select it")
+    )
+
+
+def test_cpu_step_triggers_on_what_the_scheduler_tier_checks(tmp_path):
+    """The CPU step starts on a change to what the scheduler tier checks:
+    the vLLM modules it replays the cells through, the connectors it
+    configures, and what the suite's other files it imports read of vLLM
+    (routes, counters, the files their rules come from; not the files the
+    Kimi module's GPU failures name)."""
+    step = _step(CPU_KEY)
+    imported = step_imports(step, tmp_path) | set(SCHEDULER_TIER)
+    reads = vllm_reads(imported - {f"tests/{MATRIX_MODULE}"})
+    reads.update(vllm_reads({f"tests/{MATRIX_MODULE}"}, named=False))
+    assert any("scheduler_replay.py imports" in why for why in reads.values())
+    missing = _uncovered(step, reads)
+    assert not missing, f"{CPU_KEY} misses triggers: {missing}"
+
+
 def _requirements_pin(name: str) -> str:
     for line in (ROOT / "requirements" / name).read_text().splitlines():
         if line.replace(" ", "").startswith("nixl=="):
@@ -325,38 +810,48 @@ def _requirements_pin(name: str) -> str:
     raise AssertionError(f"requirements/{name} pins no nixl")
 
 
-def dry_run(tmp_path: Path, probe: str) -> subprocess.CompletedProcess:
-    """Run the install script against a stub python3 that reports ``probe``."""
+def _script_setting(name: str) -> str:
+    """A NAME=value setting of the install script."""
+    (value,) = re.findall(rf"^{name}=(\S+)$", SCRIPT.read_text(), re.MULTILINE)
+    return value
+
+
+# A python3 for the script's dry runs: it answers the platform probe with
+# $STUB_PROBE and runs every other script it is given with this interpreter.
+STUB_PROBING_PYTHON = """#!{python}
+import os
+import subprocess
+import sys
+
+script = sys.stdin.read()
+if "torch.version.hip" in script:
+    print(os.environ["STUB_PROBE"])
+    sys.exit(0)
+run = subprocess.run([{python!r}, *sys.argv[1:]], input=script, text=True)
+sys.exit(run.returncode)
+"""
+
+
+def dry_run(
+    tmp_path: Path, probe: str, requirements: Path | None = None
+) -> subprocess.CompletedProcess:
+    """Run the install script in its dry-run mode on a platform that the
+    stub python3 reports as ``probe``."""
     stub = tmp_path / "bin"
     stub.mkdir(parents=True)
-    (stub / "python3").write_text(f"#!/bin/sh\ncat >/dev/null\necho '{probe}'\n")
+    (stub / "python3").write_text(STUB_PROBING_PYTHON.format(python=sys.executable))
     (stub / "python3").chmod(0o755)
-    path = os.pathsep.join([str(stub), "/usr/bin", "/bin"])
+    env = {
+        "PATH": os.pathsep.join([str(stub), "/usr/bin", "/bin"]),
+        "KV_CONNECTORS_DRY_RUN": "1",
+        "HOME": str(tmp_path),
+        "STUB_PROBE": probe,
+    }
+    if requirements is not None:
+        env["KV_CONNECTORS_REQUIREMENTS"] = str(requirements)
     return subprocess.run(
-        ["bash", str(SCRIPT)],
-        env={"PATH": path, "KV_CONNECTORS_DRY_RUN": "1", "HOME": str(tmp_path)},
-        capture_output=True,
-        text=True,
-        timeout=60,
+        ["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60
     )
-
-
-@pytest.mark.parametrize(
-    ("major", "other", "requirements"),
-    [("12", "13", "kv_connectors_cu12.txt"), ("13", "12", "kv_connectors.txt")],
-)
-def test_install_script_picks_the_cuda_variant(tmp_path, major, other, requirements):
-    result = dry_run(tmp_path, f"cuda {major}")
-    assert result.returncode == 0, result.stderr
-    commands = [line for line in result.stdout.splitlines() if line.startswith("+")]
-    pin = _requirements_pin(requirements)
-    assert any(f"requirements/{requirements}" in c for c in commands), commands
-    assert any("uninstall" in c and f"nixl-cu{other}" in c for c in commands)
-    (install,) = [c for c in commands if f"nixl-cu{major}==" in c]
-    assert "--no-deps" in install
-    assert install.endswith(f"nixl-cu{major}=={pin}"), install
-    # torch is held at what is installed.
-    assert all("-c " in c for c in commands if "-r " in c)
 
 
 def _commands(result: subprocess.CompletedProcess) -> list[list[str]]:
@@ -380,6 +875,22 @@ def _index(commands: list[list[str]], command: list[str]) -> int:
     return index
 
 
+def _installs(commands: list[list[str]]) -> list[list[str]]:
+    return [c for c in commands if "install" in c and "uninstall" not in c]
+
+
+def _locked_packages(command: list[str]) -> dict[str, str]:
+    """The NAME==VERSION arguments of an install command, which must install
+    those alone: --no-deps, no requirements file, no range."""
+    assert "--no-deps" in command, f"resolves dependencies: {command}"
+    assert "-r" not in command and "-c" not in command, command
+    packages = command[command.index("--no-deps") + 1 :]
+    assert packages, command
+    for package in packages:
+        assert re.fullmatch(r"[A-Za-z0-9_.-]+==[A-Za-z0-9_.+-]+", package), package
+    return dict(package.split("==") for package in packages)
+
+
 MOONCAKE_CASES = [
     # (CUDA major, its requirements, its Mooncake build, the other build)
     ("12", "kv_connectors_cu12.txt", MOONCAKE_CU12, MOONCAKE_CU13),
@@ -390,44 +901,95 @@ MOONCAKE_CASES = [
 @pytest.mark.parametrize(
     ("major", "requirements", "build", "other"), MOONCAKE_CASES, ids=("cu12", "cu13")
 )
-def test_install_script_picks_the_mooncake_build(
+def test_install_script_installs_locked_versions_on_cuda(
     tmp_path, major, requirements, build, other
 ):
-    """Upstream's rule: the requirements bring the CUDA 12 build, which a
-    CUDA 13 image swaps for the CUDA 13 build of the same version."""
+    """Exactly NIXL at the requirements' pin in this CUDA major's variant,
+    and this major's Mooncake build at the script's lock (within the
+    requirements' range), each --no-deps; the requirements' unlocked rest is
+    named, not installed."""
     result = dry_run(tmp_path, f"cuda {major}")
     assert result.returncode == 0, result.stderr
-    assert f"Mooncake for CUDA {major}: {build}\n" in result.stdout, result.stdout
     commands = _commands(result)
-    (requirements_install,) = [c for c in commands if "-r" in c]
-    assert _index(commands, requirements_install) == 0
-    assert requirements_install[-1].endswith(f"requirements/{requirements}")
+    installed = {}
+    for command in _installs(commands):
+        installed.update(_locked_packages(command))
+    pin, mooncake = _requirements_pin(requirements), _script_setting("MOONCAKE_VERSION")
+    assert installed == {"nixl": pin, f"nixl-cu{major}": pin, build: mooncake}
     assert _requires(requirements, MOONCAKE_CU12)
-    assert not _requires(requirements, MOONCAKE_CU13)
-    installs = [c for c in commands if "install" in c and _names(c, build)]
+    assert f"Mooncake for CUDA {major}: {build}\n" in result.stdout, result.stdout
     uninstalls = [c for c in commands if "uninstall" in c]
-    # The other build is never installed by name.
-    assert not [c for c in commands if "install" in c and _names(c, other)]
-    if build == MOONCAKE_CU12:
-        # The requirements install it; nothing removes it.
-        assert not installs, installs
-        assert not [c for c in uninstalls if _names(c, build)], uninstalls
-        return
-    # Both builds go (they share files), then the CUDA 13 build is installed
-    # at the version the requirements resolved, with torch held.
+    other_nixl = "13" if major == "12" else "12"
+    assert any(_names(c, f"nixl-cu{other_nixl}") for c in uninstalls), uninstalls
+    # Both builds go (they share files) before this one is installed.
     (removal,) = [c for c in uninstalls if _names(c, build) or _names(c, other)]
     assert _names(removal, build) and _names(removal, other), removal
-    (install,) = installs
-    assert _index(commands, requirements_install) < _index(commands, removal)
+    (install,) = [c for c in _installs(commands) if _names(c, build)]
     assert _index(commands, removal) < _index(commands, install)
-    assert install[-1] == f"{build}==<installed-{other}-version>", install
-    assert "-c" in install and "--no-deps" not in install
+    assert "lmcache" in result.stdout.split("not installed (not locked")[1], (
+        result.stdout
+    )
+
+
+def test_install_script_keeps_mooncake_within_the_requirements(tmp_path):
+    """A requirements range that excludes the locked Mooncake fails the
+    script, which names both."""
+    requirements = tmp_path / "kv.txt"
+    requirements.write_text(f"nixl == 1.5.0\n{MOONCAKE_CU12} >= 99\n")
+    result = dry_run(tmp_path / "run", "cuda 13", requirements)
+    assert result.returncode == 1
+    locked = _script_setting("MOONCAKE_VERSION")
+    assert f"outside the locked Mooncake {locked}" in result.stderr, result.stderr
+
+
+def test_install_script_installs_locked_versions_on_cpu(tmp_path):
+    result = dry_run(tmp_path, "cpu -")
+    assert result.returncode == 0, result.stderr
+    (install,) = _installs(_commands(result))
+    version = _script_setting("CPU_NIXL_VERSION")
+    assert _locked_packages(install) == {"nixl": version, "nixl-cu12": version}
+
+
+def _rocm_lock() -> dict[str, str]:
+    pins = {}
+    for line in (ROOT / "requirements/test/rocm.txt").read_text().splitlines():
+        if "==" in line and not line.startswith((" ", "#")):
+            name, version = line.split("==", 1)
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = version.strip()
+    return pins
+
+
+def test_install_script_installs_locked_versions_on_rocm(tmp_path):
+    """The ROCm requirements at the versions of vLLM's ROCm test lock; a
+    package the lock does not pin fails the script."""
+    result = dry_run(tmp_path, "rocm -")
+    assert result.returncode == 0, result.stderr
+    (install,) = _installs(_commands(result))
+    lock = _rocm_lock()
+    names = [
+        re.sub(r"[-_.]+", "-", re.split(r"[<>=!~;\[ ]", line, maxsplit=1)[0]).lower()
+        for line in (ROOT / "requirements/kv_connectors_rocm.txt")
+        .read_text()
+        .splitlines()
+        if line.strip() and not line.startswith(("#", "-"))
+    ]
+    assert _locked_packages(install) == {name: lock[name] for name in names}
+    requirements = tmp_path / "rocm.txt"
+    requirements.write_text("tblib\nnot-a-package-the-lock-pins\n")
+    unlocked = dry_run(tmp_path / "unlocked", "rocm -", requirements)
+    assert unlocked.returncode == 1
+    assert "not-a-package-the-lock-pins: no version in" in unlocked.stderr
+
+
+def test_install_script_rejects_an_unknown_cuda(tmp_path):
+    cuda11 = dry_run(tmp_path, "cuda 11")
+    assert cuda11.returncode == 1
+    assert "no NIXL wheel variant for CUDA 11" in cuda11.stderr
 
 
 # Stubs for a real (not dry) run: python3 and uv that record what they are
-# asked to do. python3 answers the platform probe, says which version of the
-# CUDA 12 Mooncake build the requirements installed, and fails the script it
-# is given when that holds the marker in $STUB_FAIL_ON.
+# asked to do. python3 answers the platform probe and fails the script it is
+# given when that holds the marker in $STUB_FAIL_ON.
 STUB_PYTHON = """#!{python}
 import json
 import os
@@ -438,8 +1000,6 @@ with open({log!r}, "a") as log:
     print(json.dumps({{"argv": sys.argv[1:], "script": script}}), file=log)
 if "torch.version.hip" in script:
     print({probe!r})
-elif sys.argv[1:] == ["-", {cu12!r}]:
-    print({version!r})
 elif os.environ.get("STUB_FAIL_ON") and os.environ["STUB_FAIL_ON"] in script:
     sys.exit(1)
 """
@@ -450,7 +1010,6 @@ import sys
 with open({log!r}, "a") as log:
     print(json.dumps(sys.argv[1:]), file=log)
 """
-STUB_MOONCAKE_VERSION = "0.3.13.post1"
 
 
 def stubbed_run(
@@ -464,13 +1023,7 @@ def stubbed_run(
     for name, text in (
         (
             "python3",
-            STUB_PYTHON.format(
-                python=sys.executable,
-                log=str(python_log),
-                probe=probe,
-                cu12=MOONCAKE_CU12,
-                version=STUB_MOONCAKE_VERSION,
-            ),
+            STUB_PYTHON.format(python=sys.executable, log=str(python_log), probe=probe),
         ),
         ("uv", STUB_UV.format(python=sys.executable, log=str(uv_log))),
     ):
@@ -503,27 +1056,26 @@ def stubbed_run(
 def test_install_script_checks_mooncake_on_cuda(
     tmp_path, major, requirements, build, other
 ):
-    """A real run installs this major's build and then makes python3 load
-    its engine and store, with that build named as the only one allowed."""
+    """A real run installs this major's build at its lock and then makes
+    python3 load its engine and store, with that build at that version named
+    as the only one allowed."""
     result, python_calls, uv_calls = stubbed_run(tmp_path, f"cuda {major}")
     assert result.returncode == 0, result.stderr
     installs = [c for c in uv_calls if c[:2] == ["pip", "install"]]
-    assert any(c[-1].endswith(f"requirements/{requirements}") for c in installs)
-    if build == MOONCAKE_CU13:
-        # The version python3 reported for the CUDA 12 build.
-        assert [c[-1] for c in installs if _names(c, build)] == [
-            f"{build}=={STUB_MOONCAKE_VERSION}"
-        ]
+    locked = _script_setting("MOONCAKE_VERSION")
+    assert [c[-1] for c in installs if _names(c, build)] == [f"{build}=={locked}"]
     checks = [c for c in python_calls if "mooncake.engine" in c["script"]]
     assert len(checks) == 1, f"python3 was asked to load Mooncake {len(checks)} times"
     (check,) = checks
-    assert check["argv"] == ["-", build, MOONCAKE_CU12, MOONCAKE_CU13]
+    assert check["argv"] == ["-", build, locked, MOONCAKE_CU12, MOONCAKE_CU13]
     for line in ("from mooncake.engine import", "from mooncake.store import"):
         assert line in check["script"]
     assert 'shutil.which("mooncake_master")' in check["script"]
-    # NIXL is checked first, and the Mooncake check is the last call.
+    # NIXL is checked first, at the requirements' pin, and the Mooncake
+    # check is the last call.
     assert python_calls[-1] is check
     assert "import nixl" in python_calls[-2]["script"]
+    assert python_calls[-2]["argv"] == ["-", _requirements_pin(requirements)]
 
     failed, _, _ = stubbed_run(tmp_path / "fails", f"cuda {major}", "mooncake")
     assert failed.returncode == 1
@@ -531,22 +1083,14 @@ def test_install_script_checks_mooncake_on_cuda(
 
 
 def test_install_script_leaves_mooncake_off_cpu(tmp_path):
-    """On CPU a real run installs and checks NIXL alone."""
+    """On CPU a real run installs and checks NIXL alone, at its lock."""
     result, python_calls, uv_calls = stubbed_run(tmp_path, "cpu -")
     assert result.returncode == 0, result.stderr
     assert uv_calls and python_calls
     assert not [c for c in uv_calls if "mooncake" in " ".join(c)], uv_calls
     assert not [c for c in python_calls if "mooncake" in json.dumps(c)]
     assert "import nixl" in python_calls[-1]["script"]
-
-
-def test_install_script_rocm_and_unknown_cuda(tmp_path):
-    rocm = dry_run(tmp_path / "rocm", "rocm -")
-    assert rocm.returncode == 0, rocm.stderr
-    assert "requirements/kv_connectors_rocm.txt" in rocm.stdout
-    cuda11 = dry_run(tmp_path / "cuda11", "cuda 11")
-    assert cuda11.returncode == 1
-    assert "no NIXL wheel variant for CUDA 11" in cuda11.stderr
+    assert python_calls[-1]["argv"] == ["-", _script_setting("CPU_NIXL_VERSION")]
 
 
 @pytest.mark.skipif(

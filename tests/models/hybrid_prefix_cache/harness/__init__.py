@@ -71,10 +71,12 @@ Which module owns what (each imports only the ones above it):
   a case (:func:`serve_case`, :func:`run_case`, :func:`run_resend`) and
   :func:`expect_known`;
 * ``matrix``: a binding's :class:`Matrix` (its :class:`Case` list, known
-  failures and pytest params), the same for every tier, and the grouping of
-  tests that need the same servers (:func:`servers_mark`);
+  failures and pytest params), the same for every tier, the grouping of
+  tests that need the same servers (:func:`servers_mark`), and their split
+  across parallel jobs by cost (:func:`case_seconds`, :func:`shard_by_cost`);
 * ``plugin``: the pytest plugin (:class:`SuitePlugin`, with the session
-  fixture ``hybrid_suite``) that both suite conftests register.
+  fixture ``hybrid_suite``) that the CPU tier's conftest and the Kimi-K3
+  module register.
 
 oracle.py and reconcile.py are pure (no ``requests``, no clock): a unit test
 or the scheduler tier uses them without a server. No module holds mutable
@@ -149,12 +151,15 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (  # noqa: F401
     server_args,
 )
 from tests.models.hybrid_prefix_cache.harness.matrix import (  # noqa: F401
+    CASE_TURNS,
     CONCURRENT,
     SERVERS_MARK,
     Case,
     Matrix,
+    case_seconds,
     group_by_servers,
     servers_mark,
+    shard_by_cost,
 )
 from tests.models.hybrid_prefix_cache.harness.oracle import (  # noqa: F401
     FIRST_PROMPT_BLOCKS,

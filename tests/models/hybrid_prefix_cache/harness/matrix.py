@@ -5,8 +5,10 @@ its cases (deployments x modes, and in the sweep cells the tail sweep and
 its concurrent case), its known-failure table (one entry list per case or
 cell, each with evidence), and its pytest params, marked so that tests that
 need the same servers run one after another (:func:`servers_mark`,
-:func:`group_by_servers`)."""
+:func:`group_by_servers`) and, split across parallel jobs, share a job and
+balance the jobs by cost (:func:`case_seconds`, :func:`shard_by_cost`)."""
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -20,6 +22,7 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (
     Units,
     select_known,
 )
+from tests.models.hybrid_prefix_cache.harness.oracle import NUM_TURNS
 
 # Tests marked with the same key need the same servers; the plugin puts
 # them next to each other so that the server pool can reuse them.
@@ -28,8 +31,38 @@ SERVERS_MARK = "hybrid_servers"
 CONCURRENT = "concurrent"
 
 
-def servers_mark(key: str) -> pytest.MarkDecorator:
-    return getattr(pytest.mark, SERVERS_MARK)(key)
+# What a test costs, for splitting a module's tests across parallel jobs, in
+# seconds per server process it runs through (a P/D cell runs through two),
+# from the 4xB200 measurement that .buildkite/test_areas/models_basic.yaml
+# states: a server start of 70-90 s, a played turn with its recompute of
+# (5136 s - 32 starts x 80 s) / (32 cases x 3 turns) = 27 s, and the settling
+# of the counters at the end of a case of up to 15 s.
+START_SECONDS = 80
+TURN_SECONDS = 27
+SETTLE_SECONDS = 15
+# A matrix case plays its growing turns, then an exact resend.
+CASE_TURNS = NUM_TURNS + 1
+
+
+def case_seconds(servers: int, turns: int, start: bool = True) -> int:
+    """The cost of a test that plays ``turns`` turns through ``servers``
+    server processes, starting them (``start``) or reusing those of the test
+    before it."""
+    per_server = turns * TURN_SECONDS + SETTLE_SECONDS
+    return servers * (per_server + (START_SECONDS if start else 0))
+
+
+def servers_mark(key: str, seconds: int | None = None) -> pytest.MarkDecorator:
+    """Tests marked with the same ``key`` need the same servers; ``seconds``
+    is a test's cost (:func:`case_seconds`), which :func:`shard_by_cost`
+    needs of every test it splits."""
+    # The Kimi-K3 module makes its marks as it is imported, which is before
+    # pytest reads its pytest_plugins and so before the plugin registers the
+    # marker: no warning that it is unknown.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
+        mark = getattr(pytest.mark, SERVERS_MARK)
+    return mark(key) if seconds is None else mark(key, seconds=seconds)
 
 
 def group_by_servers(items: list) -> None:
@@ -53,6 +86,33 @@ def group_by_servers(items: list) -> None:
             placed.add(k)
             ordered.extend(groups[k])
     items[:] = ordered
+
+
+def shard_by_cost(items: list, shard: int, shards: int) -> list | None:
+    """The items of job ``shard`` of ``shards`` (in their order), or None
+    when an item carries no cost (see :func:`servers_mark`).
+
+    Tests that need the same servers stay in one job (a split would start
+    those servers again in another); whole groups go, most costly first, to
+    the job with the least cost so far (ties: the lower job, so that every
+    job computes the same split)."""
+    groups: dict[str, list] = {}
+    for index, item in enumerate(items):
+        mark = item.get_closest_marker(SERVERS_MARK)
+        if mark is None or "seconds" not in mark.kwargs:
+            return None
+        groups.setdefault(mark.args[0], []).append(
+            (index, item, mark.kwargs["seconds"])
+        )
+    load = [0] * shards
+    chosen: set[int] = set()
+    by_cost = sorted(groups.values(), key=lambda g: (-sum(s for _, _, s in g), g[0][0]))
+    for group in by_cost:
+        job = min(range(shards), key=lambda j: (load[j], j))
+        load[job] += sum(seconds for _, _, seconds in group)
+        if job == shard:
+            chosen.update(index for index, _, _ in group)
+    return [item for index, item in enumerate(items) if index in chosen]
 
 
 @dataclass(frozen=True)
@@ -155,8 +215,12 @@ class Matrix:
         it, if so."""
         params = []
         for case_id, case in self.cases.items():
-            marks = [servers_mark(case.cell)]
-            devices = self.deployments[case.deployment].num_devices
+            deployment = self.deployments[case.deployment]
+            # The cell's first case starts its servers; its sweep reuses them.
+            start = case.case_id == case.cell
+            seconds = case_seconds(len(deployment.instances), CASE_TURNS, start)
+            marks = [servers_mark(case.cell, seconds)]
+            devices = deployment.num_devices
             if device_marks is not None and devices > 1:
                 marks += device_marks(devices)
             reason = None if skip is None else skip(case_id)

@@ -1,15 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The pytest plugin of the hybrid prefix-cache suite. Both suite conftests
-re-export ``pytest_configure`` (``from ... import *``, so exactly
-``__all__``), which registers :class:`SuitePlugin` once per session: the
+"""The pytest plugin of the hybrid prefix-cache suite. The CPU tier's
+conftest re-exports ``pytest_configure`` (``from ... import *``, so exactly
+``__all__``) and the Kimi-K3 module names this module in its
+``pytest_plugins``; either registers :class:`SuitePlugin` once per session: the
 session fixture ``hybrid_suite`` (the :class:`Suite` whose servers it stops
 at the end), the grouping of tests that need the same servers, the summary
 of every case, and where the session's time went.
 
 Not here: the ``should_do_global_cleanup_after_test`` override, which stays in
-``hybrid_prefix_cache/conftest.py`` alone, because ``models/kimi_k3`` also
-holds upstream's GPU tests, which need vLLM's global cleanup."""
+``hybrid_prefix_cache/conftest.py`` alone, because the Kimi-K3 module's
+folder holds upstream's GPU tests, which need vLLM's global cleanup.
+
+PYTEST_DONT_REWRITE: the Kimi-K3 module imports this module (through the
+harness package) before pytest reads its ``pytest_plugins``, which would
+otherwise warn that it is too late to rewrite the assertions it has none of."""
 
 import json
 import time
@@ -21,6 +26,7 @@ from tests.models.hybrid_prefix_cache.harness.cases import Suite
 from tests.models.hybrid_prefix_cache.harness.matrix import (
     SERVERS_MARK,
     group_by_servers,
+    shard_by_cost,
 )
 from tests.models.hybrid_prefix_cache.harness.servers import report_folder
 
@@ -53,7 +59,7 @@ def pytest_configure(config) -> None:
         f"{SERVERS_MARK}(key): tests with the same key need the same "
         "servers and run one after another",
     )
-    # Both tiers' conftests re-export this hook; register the plugin once.
+    # Both tiers load this hook; register the plugin once.
     if not config.pluginmanager.has_plugin(SuitePlugin.NAME):
         config.pluginmanager.register(SuitePlugin(), SuitePlugin.NAME)
 
@@ -114,8 +120,28 @@ class SuitePlugin(SessionTimes):
     def pytest_report_header(self) -> str:
         return vllm_header()
 
-    def pytest_collection_modifyitems(self, items) -> None:
+    # Before pytest-shard's own hook, which keeps a hash of each node id
+    # modulo --num-shards: that puts tests that share servers in different
+    # jobs and leaves the jobs' costs to chance.
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(self, config, items) -> None:
         group_by_servers(items)
+        # pytest-shard's options (absent without it): --shard-id,
+        # --num-shards, as a step with `parallelism` passes them.
+        shards = config.getoption("num_shards", default=None)
+        if not shards or shards < 2:
+            return
+        keep = shard_by_cost(items, config.getoption("shard_id"), shards)
+        if keep is None:  # a test without a cost: pytest-shard's split
+            return
+        chosen = {id(item) for item in keep}
+        config.hook.pytest_deselected(
+            items=[item for item in items if id(item) not in chosen]
+        )
+        items[:] = keep
+        # What is left is this job's already: pytest-shard, which filters
+        # next, is told there is one shard.
+        config.option.shard_id, config.option.num_shards = 0, 1
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         suite = self.suite
