@@ -30,8 +30,12 @@
 #   ROCm      the packages of requirements/kv_connectors_rocm.txt, at the
 #             versions vLLM's ROCm test lock (requirements/test/rocm.txt)
 #             pins, where the image lacks them.
-# Not installed: the requirements' other packages (LMCache, CuPy, cuda-python),
-# which have no locked version there and which the suite does not use.
+# The requirements' other packages (LMCache, CuPy, cuda-python) have no locked
+# version anywhere in vLLM, and the suite uses none of them; but upstream's
+# own 0.32 steps that call this script (distributed, disaggregated, misc,
+# fault tolerance) do. They are installed last and apart, as the requirements
+# name them, with torch and the packages built with it held at their
+# installed versions, and the script says they are not locked.
 # Afterwards NIXL (and Mooncake, where installed) must import, at the locked
 # versions. Idempotent. Prints what is installed at the end.
 #
@@ -132,6 +136,26 @@ unlocked() {  # unlocked FILE: the packages of FILE this script leaves out
         sed 's/[ <>=!~;#\[].*//' | paste -sd, - | sed 's/,/, /g'
 }
 
+# install_unlocked_rest FILE: the packages of FILE this script does not lock,
+# as FILE names them, torch and its companions held at what is installed.
+install_unlocked_rest() {
+    local rest held
+    rest=$(mktemp) held=$(mktemp)
+    grep -Ev "^ *(#|-|$)|^(nixl|$MOONCAKE_CU12) *([<>=!~;#\[]|\$)" "$1" >"$rest"
+    "$PYTHON" - >"$held" <<'PY'
+import importlib.metadata as md
+
+for name in ("torch", "torchaudio", "torchvision", "triton", "cuda-python",
+             "cuda-bindings", "cuda-toolkit"):
+    try:
+        print(f"{name}=={md.version(name)}")
+    except md.PackageNotFoundError:
+        pass
+PY
+    pip_install -c "$held" -r "$rest"
+    rm -f "$rest" "$held"
+}
+
 case "$PLATFORM" in
     rocm)
         # The packages of the ROCm requirements that the image lacks, at the
@@ -204,9 +228,11 @@ PY
             echo "install-kv-connectors: Mooncake for CUDA $CUDA_MAJOR: $MOONCAKE"
         fi
         LEFT_OUT=$(unlocked "$REQUIREMENTS")
-        [ -z "$LEFT_OUT" ] ||
-            echo "install-kv-connectors: not installed (not locked, not used by" \
-                "the suite): $LEFT_OUT"
+        if [ -n "$LEFT_OUT" ]; then
+            echo "install-kv-connectors: not locked (no lock in vLLM; for" \
+                "upstream's steps, not the suite): $LEFT_OUT"
+            install_unlocked_rest "$REQUIREMENTS"
+        fi
         ;;
     cpu)
         NIXL_VERSION=$CPU_NIXL_VERSION

@@ -769,7 +769,10 @@ def test_sharded_step_triggers_on_what_the_harness_reads(tmp_path):
 
 # The scheduler tier: the per-PR fast signal for the Kimi matrix, on CPU.
 SCHEDULER_TIER = (
-    "tests/models/hybrid_prefix_cache/scheduler_replay.py",
+    *sorted(
+        path.relative_to(ROOT).as_posix()
+        for path in (ROOT / "tests/models/hybrid_prefix_cache/scheduler").glob("*.py")
+    ),
     "tests/models/hybrid_prefix_cache/test_scheduler_conformance.py",
 )
 
@@ -798,7 +801,7 @@ def test_cpu_step_triggers_on_what_the_scheduler_tier_checks(tmp_path):
     imported = step_imports(step, tmp_path) | set(SCHEDULER_TIER)
     reads = vllm_reads(imported - {f"tests/{MATRIX_MODULE}"})
     reads.update(vllm_reads({f"tests/{MATRIX_MODULE}"}, named=False))
-    assert any("scheduler_replay.py imports" in why for why in reads.values())
+    assert any("scheduler/engine.py imports" in why for why in reads.values())
     missing = _uncovered(step, reads)
     assert not missing, f"{CPU_KEY} misses triggers: {missing}"
 
@@ -906,14 +909,17 @@ def test_install_script_installs_locked_versions_on_cuda(
 ):
     """Exactly NIXL at the requirements' pin in this CUDA major's variant,
     and this major's Mooncake build at the script's lock (within the
-    requirements' range), each --no-deps; the requirements' unlocked rest is
-    named, not installed."""
+    requirements' range), each --no-deps; the requirements' unlocked rest,
+    which upstream's own steps use, is named as not locked and installed
+    last, apart, with torch held."""
     result = dry_run(tmp_path, f"cuda {major}")
     assert result.returncode == 0, result.stderr
     commands = _commands(result)
+    *locked, rest = _installs(commands)
     installed = {}
-    for command in _installs(commands):
+    for command in locked:
         installed.update(_locked_packages(command))
+    assert "-r" in rest and "-c" in rest and "--no-deps" not in rest, rest
     pin, mooncake = _requirements_pin(requirements), _script_setting("MOONCAKE_VERSION")
     assert installed == {"nixl": pin, f"nixl-cu{major}": pin, build: mooncake}
     assert _requires(requirements, MOONCAKE_CU12)
@@ -926,7 +932,7 @@ def test_install_script_installs_locked_versions_on_cuda(
     assert _names(removal, build) and _names(removal, other), removal
     (install,) = [c for c in _installs(commands) if _names(c, build)]
     assert _index(commands, removal) < _index(commands, install)
-    assert "lmcache" in result.stdout.split("not installed (not locked")[1], (
+    assert "lmcache" in result.stdout.split("not locked (no lock in vLLM")[1], (
         result.stdout
     )
 

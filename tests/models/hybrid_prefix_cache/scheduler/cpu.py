@@ -77,9 +77,10 @@ def cpu_engine(
 
     The config is what the API server resolves. The block sizes are then
     set by the hook the executor calls once the model is loaded,
-    ``current_platform.update_block_size_for_backend`` (``v1/executor/
-    uniproc_executor.py`` UniProcExecutor._init_executor, ``multiproc_
-    executor.py`` WorkerProc.__init__), over the attention layers that the
+    ``current_platform.update_block_size_for_backend``
+    (v1/executor/uniproc_executor.py UniProcExecutor._init_executor,
+    v1/executor/multiproc_executor.py WorkerProc.__init__), over the
+    attention layers that the
     loaded model registers in ``compilation_config.static_forward_context``
     (stood in for by :class:`StandInAttention`). On CPU
     (``platforms/cpu.py`` CpuPlatform.update_block_size_for_backend) the
@@ -107,8 +108,9 @@ def cpu_engine(
             )
             # Only the attention layers: the hook reads their backends
             # (Platform._find_non_ssm_backends). The Mamba layers that
-            # 0.33.0's hook also reads in align mode (model_executor/layers/
-            # mamba/abstract.py get_mamba_prefill_checkpoint_alignment) export
+            # 0.33.0's hook also reads in align mode
+            # (model_executor/layers/mamba/abstract.py,
+            # get_mamba_prefill_checkpoint_alignment) export
             # no prefill checkpoint here: Qwen3-Next's GDN exports one only
             # with FlashInfer's prefill, on CUDA (qwen_gdn_linear_attn.py
             # _resolve_gdn_prefill_backend), and no such layer reads alike.
