@@ -51,6 +51,26 @@ def send(
     return decode, prefill.cached_tokens
 
 
+def _hit_and_recompute(
+    servers: Sequence[ReplayServer],
+    deployment: harness.Deployment,
+    prompt: list[int],
+    salt: str,
+    recompute_salt: str,
+) -> tuple[Completion, int, int]:
+    """A hit request as harness.send_turn sends it (the offload tier's
+    device caches reset first, so the hit comes from host memory), then its
+    recompute on the last server under ``recompute_salt``: the output, the
+    hit and the recompute's hit."""
+    if deployment.offload:
+        for server in servers:
+            server.reset_prefix_cache()
+    output, hit = send(servers, prompt, salt)
+    recompute = servers[-1].complete(prompt, recompute_salt)
+    assert recompute.cached_tokens is not None
+    return output, hit, recompute.cached_tokens
+
+
 def play_conversations(
     servers: Sequence[ReplayServer],
     deployment: harness.Deployment,
@@ -84,15 +104,10 @@ def play_conversations(
                 conv, _, salt, prompt = state
                 planned = plan[index]
                 assert planned.prompt_len == len(prompt), "the plan and the prompt"
-                if deployment.offload:
-                    for server in servers:
-                        server.reset_prefix_cache()
-                output, hit = send(servers, prompt, salt)
-                recompute = servers[-1].complete(prompt, f"recompute-{salt}-{index}")
-                assert recompute.cached_tokens is not None
-                results.append(
-                    TurnResult(conv.label, planned, hit, recompute.cached_tokens)
+                output, hit, recomputed = _hit_and_recompute(
+                    servers, deployment, prompt, salt, f"recompute-{salt}-{index}"
                 )
+                results.append(TurnResult(conv.label, planned, hit, recomputed))
                 outputs.append(output.token_ids)
         for state, plan, output in zip(states, plans, outputs):
             conv, rng, salt, prompt = state
@@ -172,20 +187,11 @@ def play_resend(
     results = []
     _, cold = send(servers, prompt, salt)
     results.append(TurnResult("", harness.PlannedTurn(0, prompt_len, 0), cold, None))
-    if deployment.offload:
-        for server in servers:
-            server.reset_prefix_cache()
-    _, hit = send(servers, prompt, salt)
-    recompute = servers[-1].complete(prompt, f"recompute-{seed}")
-    assert recompute.cached_tokens is not None
-    results.append(
-        TurnResult(
-            "",
-            harness.PlannedTurn(1, prompt_len, prompt_len, resend=True),
-            hit,
-            recompute.cached_tokens,
-        )
+    _, hit, recomputed = _hit_and_recompute(
+        servers, deployment, prompt, salt, f"recompute-{seed}"
     )
+    resend = harness.PlannedTurn(1, prompt_len, prompt_len, resend=True)
+    results.append(TurnResult("", resend, hit, recomputed))
     for server in servers:
         server.drain()
     return results
