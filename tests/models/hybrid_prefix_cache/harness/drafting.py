@@ -38,15 +38,15 @@ def _declared(cls: type, fields: Mapping):
         raise ValueError(f"{cls.__name__} has no field {', '.join(unknown)}")
     instance = object.__new__(cls)
     for name, field in names.items():
-        if field.default is not dataclasses.MISSING:
+        if name in fields:
+            value = fields[name]
+        elif field.default is not dataclasses.MISSING:
             value = field.default
         elif field.default_factory is not dataclasses.MISSING:
             value = field.default_factory()
         else:
-            continue
-        object.__setattr__(instance, name, fields.get(name, value))
-    for name in fields:
-        object.__setattr__(instance, name, fields[name])
+            continue  # a required field the deployment does not declare
+        object.__setattr__(instance, name, value)
     return instance
 
 
