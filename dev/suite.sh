@@ -42,7 +42,10 @@ MAIN_TESTS=(
     tests/models/hybrid_prefix_cache/test_cpu_tier.py
     tests/models/hybrid_prefix_cache/test_cpu_tier_wide_kv.py
 )
-SCHEDULER_TESTS=(tests/models/hybrid_prefix_cache/test_scheduler_conformance.py)
+SCHEDULER_TESTS=(
+    tests/models/hybrid_prefix_cache/test_scheduler_conformance.py
+    tests/models/hybrid_prefix_cache/test_scheduler_workloads.py
+)
 # What `all` also runs against the followed release's Python (the "# follows:"
 # line of dev/requirements-cpu.txt), from its own checkout: what needs no
 # compiled code of that release.
@@ -236,16 +239,32 @@ if [ "$job" = all ]; then
     # Our environment's python: these tests provision with sys.prefix.
     (cd "$REPO" && env -u PYTHONPATH "$VENV/bin/python" -m pytest -v -rA \
         -p no:cacheprovider dev/tests)
+    # Each run's output is also kept (pipefail: a run's status is pytest's),
+    # so that its failures are said again last: a CI log's tail then names
+    # what failed in either run.
+    mkdir -p "$HYBRID_PC_REPORT_DIR"
+    pinned_log="$HYBRID_PC_REPORT_DIR/pytest-pinned.log"
+    followed_log="$HYBRID_PC_REPORT_DIR/pytest-followed.log"
     status=0
-    python -m pytest -v -s -rA "${ALL_TESTS[@]}" "$@" || status=$?
+    python -m pytest -v -s -rA "${ALL_TESTS[@]}" "$@" 2>&1 | tee "$pinned_log" ||
+        status=$?
     # Then the followed release's Python, from its own checkout, with our
     # files laid over it; its compiled code stays the pinned wheel's.
     [ -n "$FOLLOWED_OVERLAY" ] || die "provisioning made no overlay of the followed vLLM"
     overlay "$FOLLOWED_CHECKOUT"
     echo "suite: the tests that need no compiled code, on vLLM's followed release" \
         "($FOLLOWED_OVERLAY)"
+    followed=0
     (cd "$FOLLOWED_CHECKOUT" && PYTHONPATH="$FOLLOWED_OVERLAY${PYTHONPATH:+:$PYTHONPATH}" \
-        python -m pytest -v -s -rA "${FOLLOWED_TESTS[@]}" "$@") || status=$?
+        python -m pytest -v -s -rA "${FOLLOWED_TESTS[@]}" "$@") 2>&1 |
+        tee "$followed_log" || followed=$?
+    [ "$followed" = 0 ] || status=$followed
+    for log in "$pinned_log" "$followed_log"; do
+        echo "suite: $(basename "$log" .log): $(grep -E '^=+ .*(passed|failed|error)' "$log" |
+            tail -n 1 | tr -d '=' | sed 's/^ *//')"
+        # pytest's short summary, and the cases the plugin's table failed.
+        grep -E '^(FAILED|ERROR) |^[a-z0-9-]+ +FAIL' "$log" | sed 's/^/suite:   /' || true
+    done
     exit "$status"
 elif [ "$job" = scheduler ]; then
     tests=("${SCHEDULER_TESTS[@]}")

@@ -28,7 +28,15 @@ from tests.models.hybrid_prefix_cache.cpu_known import (
     confirm_at_config,
     core_shortage,
 )
-from tests.models.hybrid_prefix_cache.harness import Binding, Suite, run_case
+from tests.models.hybrid_prefix_cache.harness import (
+    Binding,
+    CaseRecord,
+    Known,
+    Suite,
+    expect_known,
+    run_case,
+    run_siblings,
+)
 from tests.models.hybrid_prefix_cache.tiny_hybrid import write_tiny_hybrid
 
 pytestmark = CPU_ONLY
@@ -56,7 +64,13 @@ def test_prefix_cache(hybrid_suite: Suite, binding: Binding, case_id: str) -> No
             outcome(f"{entry.reason} (as in {entry.confirmed_by}, which confirms it)")
         if entry.at_config:
             confirm_at_config(binding, case_id, entry)
-    shapes: tuple[str, ...] = (case.shape,) if case.shape else ()
+    if case.workload == "shared-prefix":
+        record = run_workload(hybrid_suite, binding, case_id, known)
+        assert record.ok, record.explain()
+        return
+    # A block-aligned first prompt is the sweep's "exact" shape.
+    shape = "exact" if case.workload == "aligned" else case.shape
+    shapes: tuple[str, ...] = (shape,) if shape else ()
     if case.concurrent:
         units = resolved_units(binding, mode)
         shapes = MATRIX.concurrent_shapes(case_id, units)
@@ -75,3 +89,14 @@ def test_prefix_cache(hybrid_suite: Suite, binding: Binding, case_id: str) -> No
     assert record.ok, record.explain()
     if case_id in GEOMETRY_CHECKED:
         check_geometry(binding, mode, record)
+
+
+def run_workload(
+    suite: Suite, binding: Binding, case_id: str, known: tuple[Known, ...]
+) -> CaseRecord:
+    """A workload case that is not a conversation, on its cell's servers:
+    the siblings of a shared prefix."""
+    deployment, mode = MATRIX.served(case_id)
+    with expect_known(case_id, known) as run:
+        run.record = run_siblings(suite, case_id, binding, deployment, mode)
+    return run.record

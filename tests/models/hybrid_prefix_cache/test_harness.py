@@ -8,6 +8,7 @@ from typing import get_args
 
 import pytest
 
+from tests.models.hybrid_prefix_cache import harness
 from tests.models.hybrid_prefix_cache.harness import (
     CASE_TURNS,
     EXTERNAL_HITS,
@@ -717,6 +718,19 @@ def test_matrix_builds_cases_known_failures_and_params():
     assert matrix.concurrent_shapes("plain-partial", at128) == ()
     with pytest.raises(ValueError, match="name no case"):
         Matrix(deployments, modes, {"plain-block-exact": (bug,)})
+    # A workload runs on its cells' servers, right after each cell.
+    loads = Matrix(deployments, modes, workloads={"aligned": ("tp2-block",)})
+    assert list(loads.cases) == [
+        "plain-block",
+        "plain-partial",
+        "tp2-block",
+        "tp2-block-aligned",
+        "tp2-partial",
+    ]
+    assert loads.cases["tp2-block-aligned"].workload == "aligned"
+    assert loads.served("tp2-block-aligned") == loads.served("tp2-block")
+    with pytest.raises(ValueError, match="workloads name no cell"):
+        Matrix(deployments, modes, workloads={"aligned": ("dcp2-block",)})
     params = {
         p.id: p
         for p in matrix.params(
@@ -789,3 +803,62 @@ def test_records_and_suites_print_in_one_line():
     suite = Suite()
     suite.records.append(record)
     assert repr(suite) == "Suite(1 case records, 0 server starts)"
+
+
+# --- workloads ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("block", "hit", "drops", "junction"),
+    [
+        # Two and a half blocks shared: the junction floors to two blocks,
+        # one lower where the drafter drops a unit, whatever the hit unit.
+        (256, 256, False, 512),
+        (256, 64, False, 512),
+        (6144, 128, True, 6144),
+        (5760, 5760, False, 11520),
+    ],
+)
+def test_junction_checkpoint(block, hit, drops, junction):
+    units = harness.Units(block=block, hit=hit)
+    shared = harness.shared_prefix_length(units)
+    assert shared % block == block // 2
+    assert harness.junction_checkpoint(shared, units, drops) == junction
+    assert harness.sibling_tail_length(units) > block
+
+
+def test_abort_problems_bound_what_the_steps_wrote():
+    units = harness.Units(block=256, hit=64)
+    assert harness.abort_problems(512, 256, 256, 2341, units) == []
+    (why,) = harness.abort_problems(768, 256, 256, 2341, units)
+    assert "a published boundary was never written" in why
+    (why,) = harness.abort_problems(100, 256, 0, 2341, units)
+    assert "not a multiple of the hit unit" in why
+
+
+def test_eviction_problems_take_the_least_group():
+    assert harness.eviction_problems(512, (768, 512, 512)) == []
+    (why,) = harness.eviction_problems(768, (768, 512, 768))
+    assert "the least that every group still holds" in why
+
+
+def test_abort_length_spans_two_steps():
+    units = harness.Units(block=256, hit=256)
+    assert harness.abort_length(units, 2048) > 2048 + 256
+    assert harness.abort_length(units, 128) > 3 * 256
+    assert harness.small_budgets(units) == (128, 384)
+
+
+def test_every_workload_says_its_property_and_rule():
+    assert set(harness.WORKLOADS) == {
+        "shared-prefix",
+        "abort-retry",
+        "eviction",
+        "small-budget",
+        "aligned",
+        "pd-resend",
+        "async",
+        "sync",
+    }
+    for workload in harness.WORKLOADS.values():
+        assert workload.holds and ".py" in workload.rule, workload

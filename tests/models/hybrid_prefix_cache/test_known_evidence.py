@@ -24,6 +24,8 @@ from tests.models.hybrid_prefix_cache.harness import (
 )
 from tests.models.hybrid_prefix_cache.test_paths import (
     lost_checkpoint_turn,
+    pd_apart_turn,
+    pd_transfer_apart_turn,
     restored_apart_turn,
 )
 from tests.models.hybrid_prefix_cache.tiny_hybrid import write_tiny_hybrid
@@ -69,6 +71,19 @@ RECORD_FAILURES = {
     # recompute with the same tokens.
     ("plain-block-unit-minus1", (128, 128)): lambda: restored_apart_turn(
         "unit-minus1", 2, 1288, 2065, 128, 3.9e-3
+    ),
+}
+RECORD_FAILURES |= {
+    ("pd-block-aligned", (256, 256)): lambda: lost_checkpoint_turn(
+        "exact", 1, 768, 256
+    ),
+    # Turn 1 restored 704 tokens and sat 0.00285 from its cold twin.
+    ("pd-partial-aligned", (256, 64)): lambda: pd_apart_turn(
+        "exact", 1, 768, 1545, 64, 704, 0.00285
+    ),
+    # The third sibling's cold twin, a token apart from the recompute.
+    ("pd-block-shared-prefix", (256, 256)): lambda: pd_transfer_apart_turn(
+        "sibling", 2, 640, 933, 256, 512
     ),
 }
 GEOMETRY = {None: Units(block=256, hit=256)}

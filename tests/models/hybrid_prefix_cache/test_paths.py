@@ -120,6 +120,56 @@ def restored_apart_turn(
     return played
 
 
+def pd_apart_turn(
+    shape: str,
+    index: int,
+    prev_len: int,
+    prompt_len: int,
+    unit: int,
+    cached: int,
+    gap: float,
+) -> Turn:
+    """A P/D turn of sweep ``shape`` that restored ``cached`` tokens and sits
+    ``gap`` from its cold twin through the same pair, checked by the
+    oracle."""
+    played = turn(
+        index,
+        prev_len,
+        prompt_len,
+        unit,
+        sample(gap, cached=cached, prompt_len=prompt_len),
+        sample(prompt_len=prompt_len),
+        twin=sample(prompt_len=prompt_len),
+        backoff=1,
+        conversation=shape,
+    )
+    check_turn(played, Units(block=256, hit=unit), 0.0)
+    return played
+
+
+def pd_transfer_apart_turn(
+    label: str, index: int, prev_len: int, prompt_len: int, unit: int, cached: int
+) -> Turn:
+    """A P/D turn whose hit equals its cold twin but whose twin, decoded
+    from the transfer, parts from the decoder's own recompute far beyond the
+    case's cold controls (the transfer check of :func:`check_paths`)."""
+    apart = 1.0
+    played = turn(
+        index,
+        prev_len,
+        prompt_len,
+        unit,
+        sample(apart, cached=cached, prompt_len=prompt_len),
+        sample(prompt_len=prompt_len),
+        twin=sample(apart, prompt_len=prompt_len),
+        control=sample(2**-7, prompt_len=prompt_len + 1, shift=1),
+        backoff=1,
+        conversation=label,
+    )
+    play([played], unit)
+    return played
+
+
 def play(turns: list[Turn], unit: int, atol: float | None = 0.0):
     for t in turns:
         check_turn(t, Units(block=unit, hit=unit), atol, drops_unit=False)

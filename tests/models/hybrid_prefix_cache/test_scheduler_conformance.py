@@ -140,16 +140,26 @@ def cpu_binding(tiny_model: TinyHybrid) -> harness.Binding:
 
 
 def cpu_engines(
-    binding: harness.Binding, deployment: harness.Deployment, mode: harness.Mode
+    binding: harness.Binding,
+    deployment: harness.Deployment,
+    mode: harness.Mode,
+    extra: Sequence[str] = (),
+    memory: Sequence[int] | None = None,
 ) -> list[scheduler.Engine]:
     """Each server's engine, from exactly the arguments and environment the
-    CPU tier starts it with (harness.server_specs); a configuration that
-    vLLM refuses in-process, as the server does, skips with the CPU tier's
-    own reason."""
+    CPU tier starts it with (harness.server_specs), then ``extra``
+    arguments and, per server, ``memory`` bytes of KV cache (a later
+    argument wins, as on the command line); a configuration that vLLM
+    refuses in-process, as the server does, skips with the CPU tier's own
+    reason."""
     engines = []
-    for spec in harness.server_specs(binding, deployment, mode):
+    specs = harness.server_specs(binding, deployment, mode)
+    for index, spec in enumerate(specs):
+        args = [*spec.args, *extra]
+        if memory is not None:
+            args += ["--kv-cache-memory-bytes", str(memory[index])]
         try:
-            engines.append(scheduler.cpu_engine(spec.model, spec.args, dict(spec.env)))
+            engines.append(scheduler.cpu_engine(spec.model, args, dict(spec.env)))
         except Exception as e:
             unsupported = [
                 known
@@ -373,7 +383,11 @@ def test_kimi_mooncake_resend() -> None:
 # --- the CPU tier --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case_id", list(cpu_known.MATRIX.cases))
+@pytest.mark.parametrize(
+    "case_id",
+    # The workload cases are test_scheduler_workloads.py's, for every cell.
+    [c for c, case in cpu_known.MATRIX.cases.items() if case.workload is None],
+)
 def test_cpu_case(cpu_binding: harness.Binding, case_id: str) -> None:
     case = cpu_known.MATRIX.cases[case_id]
     deployment, mode = cpu_known.MATRIX.served(case_id)

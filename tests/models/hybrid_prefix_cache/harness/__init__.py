@@ -74,14 +74,19 @@ Which module owns what (each imports only the ones above it):
   failures and pytest params), the same for every tier, the grouping of
   tests that need the same servers (:func:`servers_mark`), and their split
   across parallel jobs by cost (:func:`case_seconds`, :func:`shard_by_cost`);
+* ``workloads``: the workloads beside the growing conversation
+  (:data:`WORKLOADS`: shared prefixes, abort and retry, eviction, small
+  budgets, aligned prompts, P/D resends, asynchronous scheduling), the
+  property each holds and the arithmetic of its expectation;
 * ``plugin``: the pytest plugin (:class:`SuitePlugin`, with the session
   fixture ``hybrid_suite``) that the CPU tier's conftest and the Kimi-K3
   module register.
 
-oracle.py and reconcile.py are pure (no ``requests``, no clock): a unit test
-or the scheduler tier uses them without a server. No module holds mutable
-state: the pool and the records belong to a :class:`Suite`, and servers are
-listed (for leak checks) in a ``launched`` list their caller passes.
+oracle.py, reconcile.py and workloads.py are pure (no ``requests``, no
+clock): a unit test or the scheduler tier uses them without a server. No
+module holds mutable state: the pool and the records belong to a
+:class:`Suite`, and servers are listed (for leak checks) in a ``launched``
+list their caller passes.
 """
 
 # Every public name of the harness, for ``from ...harness import X`` and
@@ -94,6 +99,7 @@ from tests.models.hybrid_prefix_cache.harness.cases import (  # noqa: F401
     failure_text,
     run_case,
     run_resend,
+    run_siblings,
     serve_case,
 )
 from tests.models.hybrid_prefix_cache.harness.client import (  # noqa: F401
@@ -227,6 +233,20 @@ from tests.models.hybrid_prefix_cache.harness.servers import (  # noqa: F401
     server_specs,
     start_servers,
     wait_healthy,
+)
+from tests.models.hybrid_prefix_cache.harness.workloads import (  # noqa: F401
+    EVICTION_POOL_REQUESTS,
+    EVICTION_PRESSURE_REQUESTS,
+    NUM_SIBLINGS,
+    WORKLOADS,
+    Workload,
+    abort_length,
+    abort_problems,
+    eviction_problems,
+    junction_checkpoint,
+    shared_prefix_length,
+    sibling_tail_length,
+    small_budgets,
 )
 
 # dev/benchmark_cpu_tier.py stops servers with harness.RemoteOpenAIServer.

@@ -40,6 +40,13 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (
 from tests.models.hybrid_prefix_cache.harness.oracle import PlannedTurn, Turn
 from tests.models.hybrid_prefix_cache.harness.records import CaseRecord, reported_case
 from tests.models.hybrid_prefix_cache.harness.servers import ServerPool
+from tests.models.hybrid_prefix_cache.harness.workloads import (
+    NUM_SIBLINGS,
+    WORKLOADS,
+    junction_checkpoint,
+    shared_prefix_length,
+    sibling_tail_length,
+)
 
 # What the session's summary calls a case that failed as its table says.
 KNOWN_VERDICTS = {"xfail": "known xfail", "unsupported": "known refusal"}
@@ -278,4 +285,46 @@ def run_resend(
         record.turns.append(resend)
         play_turn(play, resend, prompt, salt)
         finish_turns(play, record.turns)
+    return record
+
+
+def run_siblings(
+    suite: Suite,
+    case_id: str,
+    binding: Binding,
+    deployment: Deployment,
+    mode: Mode,
+) -> CaseRecord:
+    """NUM_SIBLINGS requests of one salt that share a system prompt ending
+    inside a block and then diverge, each played as a turn (hit, then its
+    recompute under a fresh salt), on ``suite``'s servers. From the third
+    on, each must hit the junction's checkpoint (harness.junction_checkpoint:
+    the second found the junction and cached the state there), and every one
+    must match its recompute as any turn does; a failure names the
+    workload's property."""
+    __tracebackhide__ = True
+    with (
+        reported_case(case_id, suite.records) as record,
+        serve_case(record, binding, deployment, mode, suite.pool) as play,
+    ):
+        rng = random.Random(case_id)
+        tokens = binding.token_ids
+        shared = random_tokens(rng, tokens, shared_prefix_length(play.units))
+        junction = junction_checkpoint(len(shared), play.units, mode.drops_unit)
+        salt = fresh_salt("siblings")
+        for index in range(NUM_SIBLINGS):
+            tail = random_tokens(rng, tokens, sibling_tail_length(play.units))
+            prompt = shared + tail
+            planned = PlannedTurn(index, len(prompt), len(shared))
+            turn = planned_turn(play, "sibling", planned)
+            # The first two need not hit; the bound stays the shared prefix.
+            turn.expected = junction if index >= 2 else 0
+            record.turns.append(turn)
+            play_turn(play, turn, prompt, salt)
+        finish_turns(play, record.turns)
+        if any(turn.problems for turn in record.turns):
+            record.problems.append(
+                f"shared-prefix: {WORKLOADS['shared-prefix'].holds} (the junction "
+                f"checkpoint of the shared {len(shared)}-token prefix is {junction})"
+            )
     return record

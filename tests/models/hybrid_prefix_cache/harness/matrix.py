@@ -123,6 +123,7 @@ class Case:
     mode: str
     shape: str | None = None  # a sweep shape, or None for the reference
     concurrent: bool = False  # every shape of the cell at once
+    workload: str | None = None  # a workload of harness.WORKLOADS
 
     @property
     def cell(self) -> str:
@@ -130,7 +131,8 @@ class Case:
 
     @property
     def case_id(self) -> str:
-        suffix = self.shape or (CONCURRENT if self.concurrent else None)
+        suffix = self.workload or self.shape
+        suffix = suffix or (CONCURRENT if self.concurrent else None)
         return self.cell if suffix is None else f"{self.cell}-{suffix}"
 
 
@@ -138,8 +140,10 @@ class Case:
 class Matrix:
     """A binding's matrix: its literal ``deployments`` and ``modes`` dicts,
     its known failures (``known``, by case id or by cell; a case without
-    entries of its own takes its cell's), and the ``sweep`` cells that also
-    run every sweep shape alone and all of them at once.
+    entries of its own takes its cell's), the ``sweep`` cells that also
+    run every sweep shape alone and all of them at once, and the cells that
+    also run each workload (``workloads``: a workload of harness.WORKLOADS
+    to its cells), on the cell's servers.
 
     Every known entry must name a case (checked at construction); a test
     passes :meth:`known_for` to ``run_case``, so a listed case must fail
@@ -150,6 +154,7 @@ class Matrix:
     modes: Mapping[str, Mode]
     known: Mapping[str, Sequence[Known]] = field(default_factory=dict)
     sweep: tuple[str, ...] = ()
+    workloads: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     cases: dict[str, Case] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -157,6 +162,12 @@ class Matrix:
         unknown = sorted(set(self.known) - set(self.cases))
         if unknown:
             raise ValueError(f"known failures name no case of the matrix: {unknown}")
+        cells = {case.cell for case in self.cases.values()}
+        stray = sorted(
+            {cell for cells_ in self.workloads.values() for cell in cells_} - cells
+        )
+        if stray:
+            raise ValueError(f"workloads name no cell of the matrix: {stray}")
 
     def _build(self) -> dict[str, Case]:
         """Every case, in an order that lets consecutive cases share their
@@ -166,6 +177,10 @@ class Matrix:
             for mode_name, mode in self.modes.items():
                 cell = Case(deployment, mode_name)
                 cases[cell.case_id] = cell
+                for workload, cells in self.workloads.items():
+                    if cell.cell in cells:
+                        case = Case(deployment, mode_name, workload=workload)
+                        cases[case.case_id] = case
                 if cell.cell not in self.sweep:
                     continue
                 for shape, (inblock, _) in SHAPES.items():

@@ -45,7 +45,10 @@ Which module owns what (each imports only the ones above it):
 * ``servers``: an engine core's loop (:class:`EngineLoop`), a server
   (:class:`ReplayServer`) and a deployment's servers (:func:`servers_for`);
 * ``play``: playing conversations and resends (:func:`play_conversations`,
-  :func:`play_resend`, :class:`TurnResult`) and :func:`units_of`.
+  :func:`play_resend`, :class:`TurnResult`) and :func:`units_of`;
+* ``workloads``: the workloads beside the growing conversation that need a
+  play of their own (:func:`play_siblings`, :func:`play_abort_retry`,
+  :func:`play_eviction`) and each group's own hit (:func:`per_group_hits`).
 """
 
 # Every public name of the package, for ``scheduler.X``; F401: these imports
@@ -83,4 +86,14 @@ from tests.models.hybrid_prefix_cache.scheduler.stated import (  # noqa: F401
 from tests.models.hybrid_prefix_cache.scheduler.workers import (  # noqa: F401
     Completion,
     StandInWorker,
+)
+from tests.models.hybrid_prefix_cache.scheduler.workloads import (  # noqa: F401
+    AbortRetry,
+    Eviction,
+    Sibling,
+    blocks_in_use,
+    per_group_hits,
+    play_abort_retry,
+    play_eviction,
+    play_siblings,
 )

@@ -19,6 +19,9 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
+# Engine steps within which a completion must finish: a prefill of the
+# longest prompt here in chunks of the smallest budget, and its decode.
+STEP_LIMIT = 10_000
 COUNTERS = (
     harness.PREFIX_QUERIES,
     harness.PREFIX_HITS,
@@ -203,10 +206,32 @@ class ReplayServer:
         kv_transfer_params: Mapping | None = None,
     ) -> Completion:
         completion = self.submit(prompt, salt, max_tokens, kv_transfer_params)
-        while not completion.finished:
+        for _ in range(STEP_LIMIT):
+            if completion.finished:
+                break
             assert self.step(), f"{completion.request_id} stalled"
+        else:
+            raise AssertionError(self.stalled(completion))
         self.settle(completion, kv_transfer_params)
         return completion
+
+    def stalled(self, completion: Completion) -> str:
+        """Why ``completion`` did not finish within STEP_LIMIT steps: what
+        each engine holds."""
+        parts = []
+        for loop in self.loops:
+            scheduler = loop.scheduler
+            pool = scheduler.kv_cache_manager.block_pool
+            parts.append(
+                f"{len(scheduler.running)} running, {len(scheduler.waiting)} "
+                f"waiting, {pool.get_num_free_blocks()} of {pool.num_gpu_blocks} "
+                f"blocks free"
+            )
+        return (
+            f"{self.name}: {completion.request_id} ({completion.prompt_tokens} "
+            f"prompt tokens) did not finish in {STEP_LIMIT} engine steps: "
+            + "; ".join(parts)
+        )
 
     def reset_prefix_cache(self) -> None:
         """``POST /reset_prefix_cache?reset_external=false`` once the engines

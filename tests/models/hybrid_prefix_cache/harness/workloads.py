@@ -1,0 +1,186 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The workloads that vLLM's real hybrid prefix-cache bugs needed, beside
+the growing conversation: each one's stable id, the property it holds, the
+vLLM code its expectation is read from, and the pure arithmetic of that
+expectation. Pure: no server, no clock, no vLLM import."""
+
+from dataclasses import dataclass
+
+from tests.models.hybrid_prefix_cache.harness.deployment import Units
+from tests.models.hybrid_prefix_cache.harness.oracle import (
+    FIRST_PROMPT_BLOCKS,
+    FIRST_PROMPT_TAIL,
+    prompt_end_checkpoint,
+)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One workload: its case id, the property it holds (said in every
+    failure), and where in vLLM its expectation comes from."""
+
+    name: str
+    holds: str
+    rule: str
+
+
+WORKLOADS = {
+    workload.name: workload
+    for workload in (
+        Workload(
+            "shared-prefix",
+            "siblings reach their junction checkpoint",
+            "v1/core/kv_cache_manager.py KVCacheManager.get_computed_blocks "
+            "(shared_prefix_boundary: the longest single-group hit) and "
+            "v1/core/sched/scheduler.py Scheduler._mamba_block_aligned_split "
+            "(a chunk stops at the block-floored junction)",
+        ),
+        Workload(
+            "abort-retry",
+            "a retry after an abort matches its recompute",
+            "v1/core/sched/scheduler.py Scheduler.finish_requests and "
+            "update_from_output (a block is cached once its step's output "
+            "is processed), v1/core/single_type_kv_cache_manager.py",
+        ),
+        Workload(
+            "eviction",
+            "under eviction, the hit never exceeds what every group still "
+            "holds, and the counters agree",
+            "v1/core/kv_cache_coordinator.py HybridKVCacheCoordinator."
+            "find_longest_cache_hit_per_group, v1/core/kv_cache_manager.py "
+            "KVCacheManager.get_computed_blocks_for_connector",
+        ),
+        Workload(
+            "small-budget",
+            "under a small budget, hits and outputs equal those under the "
+            "default budget",
+            "v1/core/sched/scheduler.py Scheduler._mamba_block_aligned_split "
+            "(every chunk ends at or before last_cache_position)",
+        ),
+        Workload(
+            "aligned",
+            "a prompt that ends on a block hits its previous prompt's "
+            "checkpoint and matches its recompute",
+            "v1/kv_cache_interface.py get_mamba_prefill_checkpoint_position",
+        ),
+        Workload(
+            "pd-resend",
+            "an exact resend under P/D hits its own checkpoint on the "
+            "prefiller and is answered",
+            "distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py "
+            "(the truncation in on_new_request), v1/kv_cache_interface.py "
+            "get_mamba_prefill_checkpoint_position",
+        ),
+        Workload(
+            "async",
+            "conversations that join and leave between steps hit as they do "
+            "with synchronous scheduling",
+            "v1/core/sched/async_scheduler.py AsyncScheduler, "
+            "v1/engine/core.py EngineCore.step_with_batch_queue",
+        ),
+        Workload(
+            "sync",
+            "conversations that join and leave between steps hit their "
+            "checkpoints with synchronous scheduling",
+            "v1/core/sched/scheduler.py Scheduler, v1/engine/core.py EngineCore.step",
+        ),
+    )
+}
+
+# The siblings: how many share the prefix, and its length in blocks. The
+# first computes the prefix, the second finds the junction (its attention
+# blocks hit deeper than any Mamba state) and stops its prefill there, and
+# every later one resumes at the junction.
+NUM_SIBLINGS = 4
+SHARED_PREFIX_BLOCKS = 2.5
+
+
+def shared_prefix_length(units: Units) -> int:
+    """The shared system prompt: two and a half blocks, so it ends inside a
+    block, where no sibling's own prompt-end checkpoint falls."""
+    return int(SHARED_PREFIX_BLOCKS * units.block)
+
+
+def sibling_tail_length(units: Units) -> int:
+    """Each sibling's own text after the shared prefix: one block and the
+    reference tail, so each sibling's prompt-end checkpoint lies past the
+    shared prefix."""
+    return units.block + FIRST_PROMPT_TAIL
+
+
+def junction_checkpoint(prefix_len: int, units: Units, drops_unit: bool) -> int:
+    """Where a sibling resumes once another found the junction: the shared
+    prefix's own end checkpoint, at the block (the Mamba block in "align"
+    mode), as if the prefix were a prompt.
+
+    The junction a sibling pins is its longest single-group hit, the
+    attention group's, under the drafter's drop
+    (KVCacheManager.get_computed_blocks, HybridKVCacheCoordinator.
+    find_longest_cache_hit); the scheduler floors it to the block before it
+    stops a chunk there ("a sub-block junction's state is not separately
+    cacheable", Scheduler._mamba_block_aligned_split, unless
+    enable_mamba_shared_prefix_checkpoint, which no cell sets). That is the
+    prefix's prompt-end checkpoint at the block
+    (:func:`prompt_end_checkpoint`).
+    """
+    return prompt_end_checkpoint(prefix_len, units.block, drops_unit)
+
+
+def abort_length(units: Units, budget: int) -> int:
+    """A prompt whose prefill takes at least two steps under ``budget``
+    tokens a step, so that an abort after the first lands mid-prefill."""
+    return (
+        max(budget, FIRST_PROMPT_BLOCKS * units.block)
+        + units.block
+        + (FIRST_PROMPT_TAIL)
+    )
+
+
+def abort_problems(
+    hit: int, written: int, in_flight: int, prompt_len: int, units: Units
+) -> list[str]:
+    """Why the retry's ``hit`` cannot be real, after an abort of a
+    ``prompt_len``-token prompt of which steps with processed outputs had
+    computed ``written`` tokens and a step still in flight ``in_flight``
+    more: the engine completes the steps it scheduled before the abort
+    (EngineCore.step_with_batch_queue keeps its queue; the scheduler defers
+    freeing their blocks, Scheduler.finish_requests), so their tokens are
+    written by the time the retry arrives, and no others."""
+    problems = []
+    if hit % units.hit:
+        problems.append(f"retry cached {hit}, not a multiple of the hit unit")
+    if hit > written + in_flight:
+        problems.append(
+            f"retry cached {hit} > the {written + in_flight} tokens the aborted "
+            f"request's steps wrote ({written} processed, {in_flight} in flight, "
+            f"of {prompt_len}): a published boundary was never written"
+        )
+    return problems
+
+
+def small_budgets(units: Units) -> tuple[int, ...]:
+    """Prefill budgets below the default: half a block (chunks end inside
+    blocks) and a block and a half (every chunk is cut back to a block)."""
+    return (units.block // 2, units.block + units.block // 2)
+
+
+# Eviction: the pool holds at least this many times the blocks one request
+# takes (more where vLLM asks for more); pressure requests (a block each)
+# follow until one evicts part of the conversation's prefix, at most this
+# many.
+EVICTION_POOL_REQUESTS = 2
+EVICTION_PRESSURE_REQUESTS = 64
+
+
+def eviction_problems(hit: int, per_group: tuple[int, ...]) -> list[str]:
+    """Why ``hit`` exceeds what the groups still hold: each group's own
+    longest hit (``per_group``, looked up just before the request) bounds
+    the hit that every group can serve."""
+    held = min(per_group)
+    if hit <= held:
+        return []
+    return [
+        f"hit {hit} > {held}, the least that every group still holds (each "
+        f"group's own longest hit: {list(per_group)}): the hit over-reports"
+    ]

@@ -1,0 +1,217 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The workloads of :mod:`harness.workloads` played through replayed
+servers: siblings of a shared prefix (:func:`play_siblings`), an abort
+mid-prefill and its retry (:func:`play_abort_retry`) and a conversation
+under eviction pressure (:func:`play_eviction`). The others (a small
+budget, aligned prompts, a P/D resend, asynchronous scheduling) are the
+conversations and resends of :mod:`scheduler.play` on other engines."""
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tests.models.hybrid_prefix_cache import harness
+from tests.models.hybrid_prefix_cache.scheduler.play import _hit_and_recompute, send
+from tests.models.hybrid_prefix_cache.scheduler.servers import EngineLoop, ReplayServer
+from vllm.sampling_params import SamplingParams
+from vllm.v1.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class Sibling:
+    prompt_len: int
+    hit: int
+    recompute_hit: int
+
+
+def play_siblings(
+    servers: Sequence[ReplayServer],
+    units: harness.Units,
+    seed: str,
+    token_ids: tuple[int, int],
+) -> tuple[int, list[Sibling]]:
+    """NUM_SIBLINGS requests of one salt that share a system prompt and
+    then diverge, one after another, each followed by its recompute under a
+    fresh salt: (the shared prefix's length, the siblings). The device
+    caches are never reset here, under offload neither: a sibling finds the
+    junction in the device cache, where its attention blocks hit past any
+    Mamba state."""
+    rng = random.Random(seed)
+    shared = harness.random_tokens(rng, token_ids, harness.shared_prefix_length(units))
+    tail = harness.sibling_tail_length(units)
+    siblings = []
+    for index in range(harness.NUM_SIBLINGS):
+        prompt = shared + harness.random_tokens(rng, token_ids, tail)
+        _, hit = send(servers, prompt, f"siblings-{seed}")
+        recompute = servers[-1].complete(prompt, f"recompute-{seed}-{index}")
+        assert recompute.cached_tokens is not None
+        siblings.append(Sibling(len(prompt), hit, recompute.cached_tokens))
+    for server in servers:
+        server.drain()
+    return len(shared), siblings
+
+
+def _in_flight(loop: EngineLoop, request_id: str) -> int:
+    """Tokens of ``request_id`` scheduled in steps whose outputs the engine
+    has not processed yet (asynchronous scheduling keeps one in flight)."""
+    return sum(
+        output.num_scheduled_tokens.get(request_id, 0) for output, _ in loop.queue
+    )
+
+
+@dataclass(frozen=True)
+class AbortRetry:
+    prompt_len: int
+    # Tokens of the aborted request that steps with processed outputs had
+    # computed when the client aborted it, and those still in flight.
+    written: int
+    in_flight: int
+    hit: int
+    recompute_hit: int
+
+
+def play_abort_retry(
+    servers: Sequence[ReplayServer],
+    deployment: harness.Deployment,
+    prompt_len: int,
+    seed: str,
+    token_ids: tuple[int, int],
+) -> AbortRetry:
+    """A cold request aborted by its client once its first prefill chunk was
+    scheduled (on the prefiller under P/D, where the client sends first),
+    as the API server aborts it (Scheduler.finish_requests with
+    FINISHED_ABORTED); then the same prompt and salt again, and its
+    recompute under a fresh salt."""
+    prompt = harness.random_tokens(random.Random(seed), token_ids, prompt_len)
+    salt = f"abort-{seed}"
+    first = servers[0]
+    sent = None if len(servers) == 1 else harness.PREFILL_KV_TRANSFER_PARAMS
+    aborted = first.submit(prompt, salt, 1 if sent else harness.MAX_TOKENS, sent)
+    loop = first.loops[(first.requests - 1) % len(first.loops)]
+    request = None
+    while request is None or request.num_computed_tokens == 0:
+        assert first.step(), "the aborted request was never scheduled"
+        request = loop.scheduler.requests.get(aborted.request_id)
+        assert request is not None, "the request finished before it was aborted"
+    in_flight = _in_flight(loop, aborted.request_id)
+    written = request.num_computed_tokens - in_flight
+    assert written + in_flight < prompt_len, "the abort did not land mid-prefill"
+    loop.scheduler.finish_requests([aborted.request_id], RequestStatus.FINISHED_ABORTED)
+    first.drain()
+    # Its prompt was looked up and counted at admission; it was cold.
+    first.ledger += harness.ledger_entry(prompt_len, 0, sent)
+    _, hit, recomputed = _hit_and_recompute(
+        servers, deployment, prompt, salt, f"recompute-{seed}"
+    )
+    for server in servers:
+        server.drain()
+    return AbortRetry(prompt_len, written, in_flight, hit, recomputed)
+
+
+def per_group_hits(server: ReplayServer, prompt: Sequence[int], salt: str) -> tuple:
+    """Each KV cache group's own longest hit for ``prompt`` now, on the
+    first engine of ``server``, as vLLM's per-group lookup finds it
+    (HybridKVCacheCoordinator.find_longest_cache_hit_per_group on the
+    request's block hashes, up to all but the last token)."""
+    probe = Request(
+        request_id="probe",
+        prompt_token_ids=list(prompt),
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        cache_salt=salt,
+        block_hasher=server.hasher,
+    )
+    coordinator = server.scheduler.kv_cache_manager.coordinator
+    _, hits = coordinator.find_longest_cache_hit_per_group(
+        probe.block_hashes, probe.num_tokens - 1
+    )
+    return tuple(hits)
+
+
+@dataclass(frozen=True)
+class Eviction:
+    prompt_len: int
+    prev_len: int
+    # Each group's own hit before the pressure requests and just before the
+    # conversation's next turn, on the instance that consults its cache.
+    held_before: tuple
+    held: tuple
+    # The next turn's hit (usage) and its local part (prefix_cache_hits).
+    hit: int
+    local_hit: int
+    recompute_hit: int
+
+
+def play_eviction(
+    servers: Sequence[ReplayServer],
+    units: harness.Units,
+    seed: str,
+    token_ids: tuple[int, int],
+) -> Eviction:
+    """A conversation's first turn, short cold prompts under other salts
+    until the first eviction reaches its blocks, then the conversation's second turn
+    (its first prompt, output and fill) and its recompute, with each group's
+    own hit looked up just before it. The device caches are never reset
+    here, under offload neither: what the pool evicts is the workload."""
+    rng = random.Random(seed)
+    first_len = harness.reference_conversation(units, seed).first_len
+    salt = f"eviction-{seed}"
+    prompt = harness.random_tokens(rng, token_ids, first_len)
+    output, _ = send(servers, prompt, salt)
+    appended = output.token_ids[: harness.TURN_TOKENS]
+    grown = prompt + appended
+    grown += harness.random_tokens(rng, token_ids, harness.TURN_TOKENS - len(appended))
+    for server in servers:
+        server.drain()
+    held_before = per_group_hits(servers[0], grown, salt)
+    # Short cold prompts under other salts, one at a time, until the first
+    # eviction reaches the conversation's blocks: then some groups may have
+    # lost their tail while another still holds a deeper state. Under data
+    # parallelism the requests go round-robin over the engines, so they go
+    # in rounds of one per engine, and the next turn goes back to the first,
+    # where the conversation began.
+    dp = len(servers[0].loops)
+    filler = units.block + harness.FIRST_PROMPT_TAIL
+    for index in range(harness.EVICTION_PRESSURE_REQUESTS):
+        for rank in range(dp):
+            other = harness.random_tokens(rng, token_ids, filler)
+            send(servers, other, f"pressure-{seed}-{index}-{rank}")
+        for server in servers:
+            server.drain()
+        if per_group_hits(servers[0], grown, salt) != held_before:
+            break
+    # The conversation's next request is the first engine's again.
+    for rank in range(1, dp):
+        send(servers, harness.random_tokens(rng, token_ids, filler), f"pad-{rank}")
+    held = per_group_hits(servers[0], grown, salt)
+    local_before = servers[0].moved[harness.PREFIX_HITS] or 0
+    _, hit = send(servers, grown, salt)
+    local_hit = int((servers[0].moved[harness.PREFIX_HITS] or 0) - local_before)
+    recompute = servers[-1].complete(grown, f"recompute-{seed}")
+    assert recompute.cached_tokens is not None
+    for server in servers:
+        server.drain()
+    return Eviction(
+        len(grown),
+        first_len,
+        held_before,
+        held,
+        hit,
+        local_hit,
+        recompute.cached_tokens,
+    )
+
+
+def blocks_in_use(server: ReplayServer, prompt: Sequence[int], salt: str) -> int:
+    """The most blocks of its first engine's pool that ``prompt`` held at
+    once, from admission to its last token, as the control that sizes an
+    eviction pool from the engine itself."""
+    pool = server.scheduler.kv_cache_manager.block_pool
+    free = least = pool.get_num_free_blocks()
+    completion = server.submit(prompt, salt, harness.MAX_TOKENS)
+    while not completion.finished:
+        assert server.step(), "the sizing request stalled"
+        least = min(least, pool.get_num_free_blocks())
+    server.drain()
+    return free - least
