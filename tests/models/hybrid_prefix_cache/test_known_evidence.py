@@ -24,7 +24,6 @@ from tests.models.hybrid_prefix_cache.harness import (
 )
 from tests.models.hybrid_prefix_cache.test_paths import (
     lost_checkpoint_turn,
-    pd_apart_turn,
     pd_transfer_apart_turn,
     restored_apart_turn,
 )
@@ -78,8 +77,8 @@ RECORD_FAILURES |= {
         "exact", 1, 768, 256
     ),
     # Turn 1 restored 704 tokens and sat 0.00285 from its cold twin.
-    ("pd-partial-aligned", (256, 64)): lambda: pd_apart_turn(
-        "exact", 1, 768, 1545, 64, 704, 0.00285
+    ("pd-partial-aligned", (256, 64)): lambda: restored_apart_turn(
+        "exact", 1, 768, 1545, 64, 0.00285, block=256, pd=True
     ),
     # The third sibling's cold twin, a token apart from the recompute.
     ("pd-block-shared-prefix", (256, 256)): lambda: pd_transfer_apart_turn(

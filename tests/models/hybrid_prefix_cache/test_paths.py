@@ -102,36 +102,22 @@ def lost_checkpoint_turn(shape: str, index: int, prev_len: int, unit: int) -> Tu
 
 
 def restored_apart_turn(
-    shape: str, index: int, prev_len: int, prompt_len: int, unit: int, gap: float
-) -> Turn:
-    """A turn of sweep ``shape`` that hit its checkpoint and whose logprobs
-    sit ``gap`` from its recompute (played alone), checked by the oracle."""
-    cached = expected_cached(prev_len, unit, False)
-    played = turn(
-        index,
-        prev_len,
-        prompt_len,
-        unit,
-        sample(gap, cached=cached, prompt_len=prompt_len),
-        sample(prompt_len=prompt_len),
-        conversation=shape,
-    )
-    check_turn(played, Units(block=unit, hit=unit), 0.0)
-    return played
-
-
-def pd_apart_turn(
     shape: str,
     index: int,
     prev_len: int,
     prompt_len: int,
     unit: int,
-    cached: int,
     gap: float,
+    block: int | None = None,
+    pd: bool = False,
 ) -> Turn:
-    """A P/D turn of sweep ``shape`` that restored ``cached`` tokens and sits
-    ``gap`` from its cold twin through the same pair, checked by the
-    oracle."""
+    """A turn of sweep ``shape`` that hit its checkpoint and whose logprobs
+    sit ``gap`` from the request on its own path: its recompute (played
+    alone), or under P/D (``pd``: the prefiller sees the prompt one token
+    short) its cold twin through the same pair; checked by the oracle."""
+    backoff = 1 if pd else 0
+    cached = expected_cached(max(prev_len - backoff, 0), unit, False)
+    twin = {"twin": sample(prompt_len=prompt_len)} if pd else {}
     played = turn(
         index,
         prev_len,
@@ -139,11 +125,11 @@ def pd_apart_turn(
         unit,
         sample(gap, cached=cached, prompt_len=prompt_len),
         sample(prompt_len=prompt_len),
-        twin=sample(prompt_len=prompt_len),
-        backoff=1,
+        backoff=backoff,
         conversation=shape,
+        **twin,
     )
-    check_turn(played, Units(block=256, hit=unit), 0.0)
+    check_turn(played, Units(block=block or unit, hit=unit), 0.0)
     return played
 
 

@@ -238,14 +238,16 @@ def turn_problems(
     return rows, problems
 
 
-def check_case(
-    case_id: str,
+def case_problems(
     servers: Sequence[scheduler.ReplayServer],
     results: Sequence[scheduler.TurnResult],
     units: harness.Units,
     mode: harness.Mode,
     deployment: harness.Deployment,
-) -> None:
+) -> tuple[list[str], list[str]]:
+    """(the turn table, every way the case disagrees with the harness): its
+    turns (:func:`turn_problems`), each server's counters, and the
+    completions the harness routes to each server."""
     rows, problems = turn_problems(results, units, mode, deployment)
     turns = []
     for result in results:
@@ -264,6 +266,18 @@ def check_case(
                 f"{server.name} server answered {server.ledger.requests} "
                 f"completions, the harness routes {route} to it"
             )
+    return rows, problems
+
+
+def check_case(
+    case_id: str,
+    servers: Sequence[scheduler.ReplayServer],
+    results: Sequence[scheduler.TurnResult],
+    units: harness.Units,
+    mode: harness.Mode,
+    deployment: harness.Deployment,
+) -> None:
+    rows, problems = case_problems(servers, results, units, mode, deployment)
     table = "\n".join(rows)
     counters = "\n".join(
         f"{server.name}: {server.ledger} moved {server.moved}" for server in servers

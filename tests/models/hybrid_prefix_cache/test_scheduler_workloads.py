@@ -483,8 +483,10 @@ def test_small_budget(tiny_model, cpu_binding, cell_id: str) -> None:
                 for a, b in zip(default, results)
                 if a.hit != b.hit
             ]
-            rows, wrong = tier.turn_problems(results, units, cell.mode, cell.deployment)
-            problems += wrong + counter_problems(servers)
+            rows, wrong = tier.case_problems(
+                servers, results, units, cell.mode, cell.deployment
+            )
+            problems += wrong
             detail = f"{kda} budget {budget}\n" + "\n".join(rows)
             fail("small-budget", cell_id, problems, detail)
 
@@ -503,8 +505,9 @@ def test_aligned(tiny_model, cpu_binding, cell_id: str) -> None:
             return [harness.Conversation("exact", length, f"{cell_id}-aligned")]
 
         units, servers, results = play_reference(cell, engines, aligned)
-        rows, problems = tier.turn_problems(results, units, cell.mode, cell.deployment)
-        problems += counter_problems(servers)
+        rows, problems = tier.case_problems(
+            servers, results, units, cell.mode, cell.deployment
+        )
         fail("aligned", cell_id, problems, f"{kda}\n" + "\n".join(rows))
     passed("aligned", cell_id)
 
@@ -533,10 +536,9 @@ def test_pd_resend(tiny_model, cpu_binding, cell_id: str) -> None:
             results = scheduler.play_resend(
                 servers, cell.deployment, prompt_len, cell_id, cell.token_ids
             )
-            rows, problems = tier.turn_problems(
-                results, units, cell.mode, cell.deployment
+            rows, problems = tier.case_problems(
+                servers, results, units, cell.mode, cell.deployment
             )
-            problems += counter_problems(servers)
             fail("pd-resend", cell_id, problems, f"{kda}\n" + "\n".join(rows))
 
 
@@ -566,6 +568,7 @@ def test_scheduling(tiny_model, cpu_binding, cell_id: str, scheduling: str) -> N
             ]
 
         units, servers, results = play_reference(cell, engines, two, concurrent)
-        rows, problems = tier.turn_problems(results, units, cell.mode, cell.deployment)
-        problems += counter_problems(servers)
+        rows, problems = tier.case_problems(
+            servers, results, units, cell.mode, cell.deployment
+        )
         fail(scheduling, cell_id, problems, f"{kda} depth {depth}\n" + "\n".join(rows))

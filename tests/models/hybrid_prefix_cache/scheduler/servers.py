@@ -96,6 +96,8 @@ class ReplayServer:
             engine.hash_block, sha256, *((lookahead,) if lookahead else ())
         )
         self.completions: dict[str, Completion] = {}
+        # The engine loop each request went to.
+        self.routed: dict[str, EngineLoop] = {}
         self.ledger = harness.Ledger()
         self.moved: dict[str, float | None] = dict.fromkeys(COUNTERS, 0.0)
         self.requests = 0
@@ -169,7 +171,23 @@ class ReplayServer:
             logprobs=harness.NUM_LOGPROBS,
             extra_args=extra,
         )
-        request = Request(
+        request = self.request(request_id, prompt, salt, params)
+        completion = Completion(request_id, list(prompt), prompt_tokens=len(prompt))
+        self.completions[request_id] = completion
+        self.routed[request_id] = loop
+        loop.scheduler.add_request(request)
+        return completion
+
+    def request(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        salt: str,
+        params: SamplingParams,
+    ) -> Request:
+        """A request of ``prompt`` under ``salt``, hashed as this server's
+        engine core hashes it."""
+        return Request(
             request_id=request_id,
             prompt_token_ids=list(prompt),
             sampling_params=params,
@@ -177,10 +195,6 @@ class ReplayServer:
             cache_salt=salt,
             block_hasher=self.hasher,
         )
-        completion = Completion(request_id, list(prompt), prompt_tokens=len(prompt))
-        self.completions[request_id] = completion
-        loop.scheduler.add_request(request)
-        return completion
 
     def settle(self, completion: Completion, sent: Mapping | None) -> None:
         """Book a finished completion in the ledger as its response reports

@@ -15,7 +15,7 @@ from tests.models.hybrid_prefix_cache import harness
 from tests.models.hybrid_prefix_cache.scheduler.play import _hit_and_recompute, send
 from tests.models.hybrid_prefix_cache.scheduler.servers import EngineLoop, ReplayServer
 from vllm.sampling_params import SamplingParams
-from vllm.v1.request import Request, RequestStatus
+from vllm.v1.request import RequestStatus
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def play_abort_retry(
     first = servers[0]
     sent = None if len(servers) == 1 else harness.PREFILL_KV_TRANSFER_PARAMS
     aborted = first.submit(prompt, salt, 1 if sent else harness.MAX_TOKENS, sent)
-    loop = first.loops[(first.requests - 1) % len(first.loops)]
+    loop = first.routed[aborted.request_id]
     request = None
     while request is None or request.num_computed_tokens == 0:
         assert first.step(), "the aborted request was never scheduled"
@@ -114,14 +114,7 @@ def per_group_hits(server: ReplayServer, prompt: Sequence[int], salt: str) -> tu
     first engine of ``server``, as vLLM's per-group lookup finds it
     (HybridKVCacheCoordinator.find_longest_cache_hit_per_group on the
     request's block hashes, up to all but the last token)."""
-    probe = Request(
-        request_id="probe",
-        prompt_token_ids=list(prompt),
-        sampling_params=SamplingParams(max_tokens=1),
-        pooling_params=None,
-        cache_salt=salt,
-        block_hasher=server.hasher,
-    )
+    probe = server.request("probe", prompt, salt, SamplingParams(max_tokens=1))
     coordinator = server.scheduler.kv_cache_manager.coordinator
     _, hits = coordinator.find_longest_cache_hit_per_group(
         probe.block_hashes, probe.num_tokens - 1
