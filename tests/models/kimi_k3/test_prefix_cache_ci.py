@@ -15,6 +15,7 @@ imports.
 
 import ast
 import contextlib
+import functools
 import inspect
 import json
 import os
@@ -23,8 +24,10 @@ import shlex
 import subprocess
 import sys
 import tarfile
-from concurrent.futures import ThreadPoolExecutor
+import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import yaml
@@ -123,39 +126,108 @@ def collect_in_process(
     return collected_ids(args)
 
 
+class Collection(NamedTuple):
+    """A command's ``pytest --collect-only`` in a fresh interpreter."""
+
+    result: subprocess.CompletedProcess
+    # Where RECORD_IMPORTS wrote the imported files (nothing there if pytest
+    # never finished collecting).
+    imports: Path
+
+
+@functools.cache
+def _recorder() -> tempfile.TemporaryDirectory:
+    """The session's folder of RECORD_IMPORTS and what it records (held
+    here, it goes when the interpreter exits)."""
+    folder = tempfile.TemporaryDirectory(prefix="record-imports-")
+    (Path(folder.name) / "record_imports.py").write_text(RECORD_IMPORTS)
+    return folder
+
+
+# A fresh interpreter imports vllm and torch, and so several tests asking for
+# the same step's collection cost most of this module's time: each distinct
+# collection runs once a session, recording its node ids and its imports at
+# once, at most two at a time (each keeps a core busy).
+_COLLECTORS = ThreadPoolExecutor(2)
+
+
+@functools.cache
+def _collection(args: tuple[str, ...], cwd: Path) -> Future[Collection]:
+    """The collection of pytest arguments ``args`` run from ``cwd``, started
+    on the first call."""
+    recorder = Path(_recorder().name)
+    imports = Path(tempfile.mkdtemp(dir=recorder)) / "imports.txt"
+    pythonpath = os.pathsep.join(
+        p for p in (str(recorder), os.environ.get("PYTHONPATH")) if p
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "--collect-only",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--continue-on-collection-errors",
+        "-p",
+        "record_imports",
+        *args,
+    ]
+    env = {**os.environ, "PYTHONPATH": pythonpath, "RECORD_IMPORTS_TO": str(imports)}
+
+    def run() -> Collection:
+        result = subprocess.run(
+            command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+        )
+        return Collection(result, imports)
+
+    return _COLLECTORS.submit(run)
+
+
+def _start(
+    argv: list[str], shard: tuple[int, int] | None = None, cwd: Path = TESTS
+) -> Future[Collection]:
+    return _collection(tuple(_collect_args(argv, shard)), cwd.resolve())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _start_collections(request):
+    """Queue the collections of the steps whose coverage test this run
+    selected (in a full run every step that collects from the suite's
+    folders, whose collections all the other tests here ask for)."""
+    cover = test_source_file_dependencies_cover_imported_suite_files
+    for item in request.session.items:
+        if getattr(item, "function", None) is cover:
+            for argv, here in _pytest_runs(_step(item.callspec.params["key"])):
+                # A command that cannot be collected fails the test itself.
+                with contextlib.suppress(AssertionError):
+                    _start(_unsharded(argv), cwd=here)
+    yield
+    # Collections still queued when the run stops early (-x) never start.
+    _COLLECTORS.shutdown(wait=False, cancel_futures=True)
+
+
+def collection(
+    argv: list[str], shard: tuple[int, int] | None = None, cwd: Path = TESTS
+) -> Collection:
+    """A step's pytest command collected from ``cwd`` (tests/, where our
+    steps run) in a fresh interpreter, once a session."""
+    found = _start(argv, shard, cwd).result()
+    result = found.result
+    assert result.returncode in (0, 1), result.stdout[-3000:] + result.stderr[-3000:]
+    return found
+
+
 def collect(
     argv: list[str],
     shard: tuple[int, int] | None = None,
-    extra: tuple[str, ...] = (),
-    env: dict[str, str] | None = None,
     cwd: Path = TESTS,
     errors: list[str] | None = None,
 ) -> list[str]:
-    """The node ids a step's pytest command selects, run from ``cwd``
-    (tests/, where our steps run) in a fresh interpreter (``extra`` pytest
-    arguments and ``env`` added); ``errors`` gets the modules that failed
-    to collect, with pytest's error."""
-    args = _collect_args(argv, shard)
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "--collect-only",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "--continue-on-collection-errors",
-            *extra,
-            *args,
-        ],
-        cwd=cwd,
-        env=None if env is None else {**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode in (0, 1), result.stdout[-3000:] + result.stderr[-3000:]
+    """The node ids a step's pytest command selects (:func:`collection`);
+    ``errors`` gets the modules that failed to collect, with pytest's
+    error."""
+    result = collection(argv, shard, cwd).result
     if errors is not None:
         errors += [
             line.strip("_ ")
@@ -224,22 +296,10 @@ def _has_code(path: Path) -> bool:
     return any(line and not line.startswith("#") for line in lines)
 
 
-def imported_suite_files(
-    argv: list[str], tmp_path: Path, cwd: Path = TESTS
-) -> set[str]:
+def imported_suite_files(argv: list[str], cwd: Path = TESTS) -> set[str]:
     """The files of the suite's folders that collecting ``argv`` (run from
     ``cwd``) imports, relative to the checkout."""
-    (tmp_path / "record_imports.py").write_text(RECORD_IMPORTS)
-    record = tmp_path / "imports.txt"
-    pythonpath = os.pathsep.join(
-        p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p
-    )
-    collect(
-        argv,
-        extra=("-p", "record_imports"),
-        env={"PYTHONPATH": pythonpath, "RECORD_IMPORTS_TO": str(record)},
-        cwd=cwd,
-    )
+    record = collection(argv, cwd=cwd).imports
     files = set()
     for line in record.read_text().splitlines():
         path = Path(line).resolve()
@@ -279,32 +339,26 @@ def covered(path: str, listed: list[str]) -> bool:
     return any(path == d or (d.endswith("/") and path.startswith(d)) for d in listed)
 
 
-def step_imports(step: dict, tmp_path: Path) -> set[str]:
+def step_imports(step: dict) -> set[str]:
     """The files of the suite that a step's pytest commands import."""
-
-    def imports(index: int, run: tuple[list[str], Path]) -> set[str]:
-        argv, here = run
-        # Every shard imports the same files.
-        argv = [a for a in argv if not a.startswith(("--shard-id", "--num-shards"))]
-        folder = tmp_path / str(index)
-        folder.mkdir()
-        return imported_suite_files(argv, folder, here)
-
-    # Each command's collection in a fresh interpreter of its own, all at once.
-    runs = _pytest_runs(step)
-    with ThreadPoolExecutor(len(runs)) as pool:
-        return set().union(*pool.map(imports, range(len(runs)), runs))
+    # Every shard imports the same files.
+    runs = [(_unsharded(argv), here) for argv, here in _pytest_runs(step)]
+    # Each command's collection in a fresh interpreter of its own, all started
+    # before waiting on the first.
+    for argv, here in runs:
+        _start(argv, cwd=here)
+    return set().union(*(imported_suite_files(argv, here) for argv, here in runs))
 
 
 @pytest.mark.parametrize("key", COLLECTING_KEYS)
-def test_source_file_dependencies_cover_imported_suite_files(tmp_path, key):
+def test_source_file_dependencies_cover_imported_suite_files(key):
     """A change to any file of the suite that a step's pytest commands import
     (conftest.py files, the harness, whatever it becomes) triggers the step:
     ours, and upstream's that collect from the suite's folders, which must
     import nothing of ours that is not among their triggers (no conftest.py
     of ours in models/kimi_k3/: the Kimi module loads the plugin itself)."""
     step = _step(key)
-    imported = step_imports(step, tmp_path)
+    imported = step_imports(step)
     if key in OUR_KEYS:
         # The recorder saw the suite: every step of ours loads the harness.
         assert any(f.startswith(HARNESS) for f in imported), imported
@@ -755,12 +809,12 @@ SHARDED_STEP_READS = (
 )
 
 
-def test_sharded_step_triggers_on_what_the_harness_reads(tmp_path):
+def test_sharded_step_triggers_on_what_the_harness_reads():
     """The 4xB200 step starts on a change to whatever vLLM file the suite's
     files it imports read (vllm_reads), e.g. a fix to vLLM #59392 in
     flashinfer_mla.py, which its known-failure table names."""
     step = _step(SHARDED_KEY)
-    reads = vllm_reads(step_imports(step, tmp_path))
+    reads = vllm_reads(step_imports(step))
     for path in SHARDED_STEP_READS:
         assert any(covered(r, [path]) or r == path for r in reads), (path, reads)
     missing = _uncovered(step, reads)
@@ -791,14 +845,14 @@ def test_cpu_step_runs_the_scheduler_tier():
     )
 
 
-def test_cpu_step_triggers_on_what_the_scheduler_tier_checks(tmp_path):
+def test_cpu_step_triggers_on_what_the_scheduler_tier_checks():
     """The CPU step starts on a change to what the scheduler tier checks:
     the vLLM modules it replays the cells through, the connectors it
     configures, and what the suite's other files it imports read of vLLM
     (routes, counters, the files their rules come from; not the files the
     Kimi module's GPU failures name)."""
     step = _step(CPU_KEY)
-    imported = step_imports(step, tmp_path) | set(SCHEDULER_TIER)
+    imported = step_imports(step) | set(SCHEDULER_TIER)
     reads = vllm_reads(imported - {f"tests/{MATRIX_MODULE}"})
     reads.update(vllm_reads({f"tests/{MATRIX_MODULE}"}, named=False))
     assert any("scheduler/engine.py imports" in why for why in reads.values())

@@ -129,7 +129,7 @@ def junction_checkpoint(prefix_len: int, units: Units, drops_unit: bool) -> int:
 
 def abort_length(units: Units, budget: int) -> int:
     """A prompt whose prefill takes at least two steps under ``budget``
-    tokens a step, so that an abort after the first lands mid-prefill."""
+    tokens a step, so that an abort can land between them."""
     return (
         max(budget, FIRST_PROMPT_BLOCKS * units.block)
         + units.block
@@ -143,10 +143,12 @@ def abort_problems(
     """Why the retry's ``hit`` cannot be real, after an abort of a
     ``prompt_len``-token prompt of which steps with processed outputs had
     computed ``written`` tokens and a step still in flight ``in_flight``
-    more: the engine completes the steps it scheduled before the abort
-    (EngineCore.step_with_batch_queue keeps its queue; the scheduler defers
-    freeing their blocks, Scheduler.finish_requests), so their tokens are
-    written by the time the retry arrives, and no others."""
+    more. A recurrent state is published when its chunk is scheduled
+    (MambaManager.cache_blocks), and the engine completes the steps it
+    scheduled before the abort (EngineCore.step_with_batch_queue keeps its
+    queue) before it runs the retry's; so the retry may resume from those
+    tokens and no others. vLLM #56525 is the retry that loaded a state no
+    step wrote."""
     problems = []
     if hit % units.hit:
         problems.append(f"retry cached {hit}, not a multiple of the hit unit")

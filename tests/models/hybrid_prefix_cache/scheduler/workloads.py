@@ -78,29 +78,43 @@ def play_abort_retry(
     seed: str,
     token_ids: tuple[int, int],
 ) -> AbortRetry:
-    """A cold request aborted by its client once its first prefill chunk was
-    scheduled (on the prefiller under P/D, where the client sends first),
-    as the API server aborts it (Scheduler.finish_requests with
-    FINISHED_ABORTED); then the same prompt and salt again, and its
-    recompute under a fresh salt."""
+    """A cold request aborted by its client mid-prefill (on the prefiller
+    under P/D, where the client sends first), as the API server aborts it
+    (Scheduler.finish_requests with FINISHED_ABORTED); then at once the same
+    prompt and salt again, and its recompute under a fresh salt.
+
+    Under asynchronous scheduling, without P/D, the abort lands once the
+    chunk that reaches the prompt's end, and so publishes its last
+    checkpoint, is scheduled: that step is still in flight when the retry
+    is scheduled (vLLM #56525's race). Under synchronous scheduling that
+    chunk has run by then, so the abort lands after the first chunk
+    instead. Under P/D it lands there too, and the retry waits until the
+    prefiller's steps are done: a retry scheduled with the aborted
+    request's step in flight left the replayed prefiller stepping forever
+    (not yet told apart: vLLM's or the replay's stand-in transfer)."""
     prompt = harness.random_tokens(random.Random(seed), token_ids, prompt_len)
     salt = f"abort-{seed}"
     first = servers[0]
     sent = None if len(servers) == 1 else harness.PREFILL_KV_TRANSFER_PARAMS
     aborted = first.submit(prompt, salt, 1 if sent else harness.MAX_TOKENS, sent)
     loop = first.routed[aborted.request_id]
+    # How far the prefill gets before the abort, counted as the scheduler
+    # counts it (num_computed_tokens includes a step in flight).
+    race = loop.depth > 1 and sent is None
+    until = prompt_len if race else 1
     request = None
-    while request is None or request.num_computed_tokens == 0:
+    while request is None or request.num_computed_tokens < until:
         assert first.step(), "the aborted request was never scheduled"
         request = loop.scheduler.requests.get(aborted.request_id)
         assert request is not None, "the request finished before it was aborted"
     in_flight = _in_flight(loop, aborted.request_id)
     written = request.num_computed_tokens - in_flight
-    assert written + in_flight < prompt_len, "the abort did not land mid-prefill"
+    assert written < prompt_len, "the abort did not land mid-prefill"
     loop.scheduler.finish_requests([aborted.request_id], RequestStatus.FINISHED_ABORTED)
-    first.drain()
     # Its prompt was looked up and counted at admission; it was cold.
     first.ledger += harness.ledger_entry(prompt_len, 0, sent)
+    if not race:
+        first.drain()
     _, hit, recomputed = _hit_and_recompute(
         servers, deployment, prompt, salt, f"recompute-{seed}"
     )
