@@ -255,7 +255,10 @@ if [ "$job" = all ]; then
     echo "suite: the tests that need no compiled code, on vLLM's followed release" \
         "($FOLLOWED_OVERLAY)"
     followed=0
+    # Its session.json goes to a folder of its own, beside the pinned run's.
+    mkdir -p "$HYBRID_PC_REPORT_DIR/followed"
     (cd "$FOLLOWED_CHECKOUT" && PYTHONPATH="$FOLLOWED_OVERLAY${PYTHONPATH:+:$PYTHONPATH}" \
+        HYBRID_PC_REPORT_DIR="$HYBRID_PC_REPORT_DIR/followed" \
         python -m pytest -v -s -rA "${FOLLOWED_TESTS[@]}" "$@") 2>&1 |
         tee "$followed_log" || followed=$?
     [ "$followed" = 0 ] || status=$followed
