@@ -30,12 +30,9 @@ from tests.models.hybrid_prefix_cache.cpu_known import (
 )
 from tests.models.hybrid_prefix_cache.harness import (
     Binding,
-    CaseRecord,
-    Known,
     Suite,
-    expect_known,
     run_case,
-    run_siblings,
+    run_workload,
 )
 from tests.models.hybrid_prefix_cache.tiny_hybrid import write_tiny_hybrid
 
@@ -64,13 +61,13 @@ def test_prefix_cache(hybrid_suite: Suite, binding: Binding, case_id: str) -> No
             outcome(f"{entry.reason} (as in {entry.confirmed_by}, which confirms it)")
         if entry.at_config:
             confirm_at_config(binding, case_id, entry)
-    if case.workload == "shared-prefix":
-        record = run_workload(hybrid_suite, binding, case_id, known)
+    if case.workload is not None:
+        record = run_workload(
+            hybrid_suite, case_id, binding, deployment, mode, case.workload, known
+        )
         assert record.ok, record.explain()
         return
-    # A block-aligned first prompt is the sweep's "exact" shape.
-    shape = "exact" if case.workload == "aligned" else case.shape
-    shapes: tuple[str, ...] = (shape,) if shape else ()
+    shapes: tuple[str, ...] = (case.shape,) if case.shape else ()
     if case.concurrent:
         units = resolved_units(binding, mode)
         shapes = MATRIX.concurrent_shapes(case_id, units)
@@ -89,14 +86,3 @@ def test_prefix_cache(hybrid_suite: Suite, binding: Binding, case_id: str) -> No
     assert record.ok, record.explain()
     if case_id in GEOMETRY_CHECKED:
         check_geometry(binding, mode, record)
-
-
-def run_workload(
-    suite: Suite, binding: Binding, case_id: str, known: tuple[Known, ...]
-) -> CaseRecord:
-    """A workload case that is not a conversation, on its cell's servers:
-    the siblings of a shared prefix."""
-    deployment, mode = MATRIX.served(case_id)
-    with expect_known(case_id, known) as run:
-        run.record = run_siblings(suite, case_id, binding, deployment, mode)
-    return run.record

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pytest
 
 from tests.models.hybrid_prefix_cache import cpu_binding as cpu
-from tests.models.hybrid_prefix_cache import harness, scheduler
+from tests.models.hybrid_prefix_cache import cpu_known, harness, scheduler
 from tests.models.hybrid_prefix_cache import test_scheduler_conformance as tier
 from tests.models.hybrid_prefix_cache.tiny_hybrid import TinyHybrid
 from tests.models.kimi_k3 import test_prefix_cache as kimi
@@ -495,20 +495,33 @@ def test_small_budget(tiny_model, cpu_binding, cell_id: str) -> None:
 @holds("aligned")
 def test_aligned(tiny_model, cpu_binding, cell_id: str) -> None:
     """A conversation whose first prompt ends exactly on a block (sweep
-    shape "exact"): every turn hits the harness's expectation."""
+    shape "exact"): every turn hits the harness's expectation. Where the
+    cell's matrix plays its aligned case with fewer turns (the Kimi-K3
+    matrix: the aligned prompt, then its resend), that conversation too."""
     cell = cell_of(cell_id, cpu_binding)
+    tier_name, name, mode_name = CELLS[cell_id]
+    matrix = kimi.MATRIX if tier_name == "kimi" else cpu_known.MATRIX
+    case = matrix.cases.get(f"{name}-{mode_name}-aligned")
+    turns = {harness.NUM_TURNS} | ({case.num_turns} if case is not None else set())
     for kda, alignment in kda_checkpoints(cell).items():
-        engines = engines_of(cell, tiny_model, cpu_binding, kda_checkpoint=alignment)
+        for num_turns in sorted(turns, reverse=True):
+            engines = engines_of(
+                cell, tiny_model, cpu_binding, kda_checkpoint=alignment
+            )
+            seed = f"{cell_id}-aligned"
+            if num_turns != harness.NUM_TURNS:
+                seed += f"-{num_turns}-turns"
 
-        def aligned(units):
-            length = harness.shape_length("exact", units)
-            return [harness.Conversation("exact", length, f"{cell_id}-aligned")]
+            def aligned(units, seed=seed, num_turns=num_turns):
+                length = harness.shape_length("exact", units)
+                return [harness.Conversation("exact", length, seed, num_turns)]
 
-        units, servers, results = play_reference(cell, engines, aligned)
-        rows, problems = tier.case_problems(
-            servers, results, units, cell.mode, cell.deployment
-        )
-        fail("aligned", cell_id, problems, f"{kda}\n" + "\n".join(rows))
+            units, servers, results = play_reference(cell, engines, aligned)
+            rows, problems = tier.case_problems(
+                servers, results, units, cell.mode, cell.deployment
+            )
+            detail = f"{kda} {num_turns} turns\n" + "\n".join(rows)
+            fail("aligned", cell_id, problems, detail)
     passed("aligned", cell_id)
 
 

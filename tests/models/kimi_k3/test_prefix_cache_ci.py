@@ -33,6 +33,7 @@ import pytest
 import yaml
 
 import vllm
+from tests.models.hybrid_prefix_cache.harness import CASE_TURNS, case_seconds
 from tests.models.kimi_k3 import test_prefix_cache as kimi
 from tests.models.kimi_k3.test_prefix_cache_matrix import collected_ids
 from vllm.platforms import current_platform
@@ -573,7 +574,8 @@ def test_shards_select_every_matrix_case_once():
     (argv,) = _pytest_commands(step)
     assert MATRIX_MODULE in argv
     everything = collect_in_process(_unsharded(argv))
-    assert len(everything) == 31
+    # Every matrix case (cells and workload cases), the resends, Mooncake's.
+    assert len(everything) == len(kimi.MATRIX.cases) + len(kimi.RESEND_LENGTHS) + 1
     assert all(in_matrix(node) for node in everything)
     jobs = step.get("parallelism")
     if not jobs:
@@ -600,6 +602,11 @@ def _cost_and_servers(node: str) -> tuple[float, str]:
     if name.startswith("test_prefix_cache["):
         case = kimi.MATRIX.cases[name[len("test_prefix_cache[") : -1]]
         pd = kimi.DEPLOYMENTS[case.deployment].prefill is not None
+        if case.workload is not None:
+            # On its cell's running servers, in one-server cells.
+            servers = 2 if pd else 1
+            seconds = case_seconds(servers, case.num_turns + 1, start=False)
+            return seconds / case_seconds(1, CASE_TURNS), case.cell
         return (PD_CELL if pd else ONE_SERVER_CELL), case.cell
     if name.startswith("test_exact_resend["):
         return RESEND, f"plain-{kimi.RESEND_MODE}"

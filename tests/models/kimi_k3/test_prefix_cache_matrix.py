@@ -22,9 +22,12 @@ from pathlib import Path
 import pytest
 
 from tests.models.hybrid_prefix_cache.harness import (
+    SERVERS_MARK,
+    WORKLOADS,
     Deployment,
     Matrix,
     Mode,
+    case_seconds,
     device_ranges,
     expected_resend,
     server_args,
@@ -65,10 +68,13 @@ MATRIX_IDS = [f"{d}-{m}" for d, m in CELLS]
 SM100 = Matrix(kimi.DEPLOYMENTS, kimi.MODES, kimi.KNOWN["sm100"])
 
 
-def _cells():
-    """(case id, deployment, mode, marks) of every matrix cell."""
+def _cells(workloads: bool = False):
+    """(case id, deployment, mode, marks) of every matrix cell, or of every
+    workload case (``workloads``)."""
     for param in kimi.PARAMS:
         (case_id,) = param.values
+        if (kimi.MATRIX.cases[case_id].workload is not None) != workloads:
+            continue
         deployment, mode = kimi.MATRIX.served(case_id)
         yield param.id, deployment, mode, param.marks
 
@@ -144,6 +150,11 @@ def test_collection_ids():
     expected = []
     for case_id in MATRIX_IDS:
         expected.append(f"test_prefix_cache[{case_id}]")
+        expected += [
+            f"test_prefix_cache[{case_id}-{workload}]"
+            for workload, cells in kimi.WORKLOADS.items()
+            if case_id in cells
+        ]
         if case_id == f"plain-{kimi.RESEND_MODE}":
             expected += [
                 "test_exact_resend[resend-7040]",
@@ -177,6 +188,28 @@ def test_matrix_marks():
         else:
             assert entries == (), case_id
     assert kimi.KNOWN["mi355"] == {}
+
+
+def test_workload_cases_reuse_their_cells_servers():
+    """Each workload case runs on its cell's servers, with the cell's device
+    marks, and costs less than their start (the reasons beside
+    kimi.WORKLOADS); none is where the cell is known to crash."""
+    cells = {case_id: marks for case_id, _, _, marks in _cells()}
+    cases = list(_cells(workloads=True))
+    assert cases, "the Kimi-K3 matrix runs no workload case"
+    for case_id, deployment, mode, marks in cases:
+        case = kimi.MATRIX.cases[case_id]
+        assert case.workload in WORKLOADS, case_id
+        assert (deployment, mode) == kimi.MATRIX.served(case.cell), case_id
+        assert [m.name for m in marks] == [m.name for m in cells[case.cell]], case_id
+        (servers,) = [m for m in marks if m.name == SERVERS_MARK]
+        (cell_servers,) = [m for m in cells[case.cell] if m.name == SERVERS_MARK]
+        assert servers.args == cell_servers.args, case_id
+        servers_count = len(deployment.instances)
+        start = case_seconds(servers_count, 0) - case_seconds(servers_count, 0, False)
+        assert servers.kwargs["seconds"] < start, case_id
+        assert SM100.known_for(case.cell) == (), case_id
+    assert "dcp2-offload-partial" not in kimi.WORKLOADS["aligned"]
 
 
 def test_module_skip_reason_off_sm100():

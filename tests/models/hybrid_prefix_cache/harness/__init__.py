@@ -100,6 +100,7 @@ from tests.models.hybrid_prefix_cache.harness.cases import (  # noqa: F401
     run_case,
     run_resend,
     run_siblings,
+    run_workload,
     serve_case,
 )
 from tests.models.hybrid_prefix_cache.harness.client import (  # noqa: F401

@@ -7,7 +7,7 @@ a known-failure entry (:func:`expect_known`)."""
 import contextlib
 import random
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -37,7 +37,7 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (
     Units,
     select_known,
 )
-from tests.models.hybrid_prefix_cache.harness.oracle import PlannedTurn, Turn
+from tests.models.hybrid_prefix_cache.harness.oracle import NUM_TURNS, PlannedTurn, Turn
 from tests.models.hybrid_prefix_cache.harness.records import CaseRecord, reported_case
 from tests.models.hybrid_prefix_cache.harness.servers import ServerPool
 from tests.models.hybrid_prefix_cache.harness.workloads import (
@@ -198,15 +198,17 @@ def serve_case(
 
 
 def _conversations(
-    case_id: str, play: Play, shapes: Sequence[str]
+    case_id: str, play: Play, shapes: Sequence[str], num_turns: int
 ) -> list[Conversation]:
     """The reference conversation, or one per sweep shape that exists where
-    the case's servers resolve (skip if none does)."""
+    the case's servers resolve (skip if none does), of ``num_turns``
+    growing turns each."""
     if not shapes:
-        return [reference_conversation(play.units, case_id)]
+        reference = reference_conversation(play.units, case_id)
+        return [replace(reference, num_turns=num_turns)]
     lengths = {shape: shape_length(shape, play.units) for shape in shapes}
     conversations = [
-        Conversation(shape, length, f"{case_id}-{shape}")
+        Conversation(shape, length, f"{case_id}-{shape}", num_turns)
         for shape, length in lengths.items()
         if length is not None
     ]
@@ -228,10 +230,12 @@ def run_case(
     shapes: Sequence[str] = (),
     concurrent: bool = False,
     known: Sequence[Known] = (),
+    num_turns: int = NUM_TURNS,
 ) -> CaseRecord:
     """Serve ``deployment`` in ``mode`` on ``suite``'s servers and check its
     conversations: the reference one, or one per sweep shape in ``shapes``,
-    played one after another or (``concurrent``) all at once.
+    played one after another or (``concurrent``) all at once, each of
+    ``num_turns`` growing turns and a resend.
 
     Returns the case's record, whose problems the test asserts on
     (``assert record.ok, record.explain()``); a case listed in ``known``
@@ -246,7 +250,7 @@ def run_case(
         # Set before the servers start: a refusal at start is judged on it.
         run.record = record
         with serve_case(record, binding, deployment, mode, suite.pool) as play:
-            conversations = _conversations(case_id, play, shapes)
+            conversations = _conversations(case_id, play, shapes, num_turns)
             play.batched = concurrent
             run_conversations(play, conversations, record.turns)
     return record
@@ -328,3 +332,38 @@ def run_siblings(
                 f"checkpoint of the shared {len(shared)}-token prefix is {junction})"
             )
     return record
+
+
+def run_workload(
+    suite: Suite,
+    case_id: str,
+    binding: Binding,
+    deployment: Deployment,
+    mode: Mode,
+    workload: str,
+    known: Sequence[Known] = (),
+    num_turns: int = NUM_TURNS,
+) -> CaseRecord:
+    """A matrix's workload case on its cell's servers (Matrix.workloads):
+    the siblings of a shared prefix (:func:`run_siblings`), or a
+    conversation of ``num_turns`` growing turns and a resend from a first
+    prompt that ends on a block (the sweep's "exact" shape,
+    :func:`run_case`). A listed case xfails, skips or fails here as in
+    :func:`run_case`."""
+    __tracebackhide__ = True
+    if workload == "aligned":
+        return run_case(
+            suite,
+            case_id,
+            binding,
+            deployment,
+            mode,
+            shapes=("exact",),
+            known=known,
+            num_turns=num_turns,
+        )
+    if workload != "shared-prefix":
+        raise ValueError(f"{case_id}: no real-server play of workload {workload!r}")
+    with expect_known(case_id, known) as run:
+        run.record = run_siblings(suite, case_id, binding, deployment, mode)
+    return run.record

@@ -49,6 +49,8 @@ class Conversation:
     label: str
     first_len: int
     seed: str
+    # Its growing turns before the resend (harness.plan_turns).
+    num_turns: int = NUM_TURNS
 
 
 def reference_conversation(units: Units, seed: str) -> Conversation:
@@ -216,8 +218,12 @@ def run_conversations(
         rng = random.Random(conv.seed)
         prompt = random_tokens(rng, play.binding.token_ids, conv.first_len)
         salt = fresh_salt("conversation")
-        states.append((conv, rng, salt, prompt, plan_turns(conv.first_len)))
-    for index in range(NUM_TURNS + 1):
+        states.append(
+            (conv, rng, salt, prompt, plan_turns(conv.first_len, conv.num_turns))
+        )
+    if len({len(plan) for *_, plan in states}) > 1:
+        raise ValueError("conversations played together must have as many turns")
+    for index in range(len(states[0][4])):
         batch = []
         for conv, _, salt, prompt, plan in states:
             turn = planned_turn(play, conv.label, plan[index])

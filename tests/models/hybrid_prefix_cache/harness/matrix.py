@@ -124,6 +124,8 @@ class Case:
     shape: str | None = None  # a sweep shape, or None for the reference
     concurrent: bool = False  # every shape of the cell at once
     workload: str | None = None  # a workload of harness.WORKLOADS
+    # Its conversation's growing turns before the resend (plan_turns).
+    num_turns: int = NUM_TURNS
 
     @property
     def cell(self) -> str:
@@ -143,7 +145,9 @@ class Matrix:
     entries of its own takes its cell's), the ``sweep`` cells that also
     run every sweep shape alone and all of them at once, and the cells that
     also run each workload (``workloads``: a workload of harness.WORKLOADS
-    to its cells), on the cell's servers.
+    to its cells), on the cell's servers; a workload played as a
+    conversation has ``workload_turns`` growing turns where given (fewer
+    than a cell's, to cost less than the servers' start).
 
     Every known entry must name a case (checked at construction); a test
     passes :meth:`known_for` to ``run_case``, so a listed case must fail
@@ -155,6 +159,7 @@ class Matrix:
     known: Mapping[str, Sequence[Known]] = field(default_factory=dict)
     sweep: tuple[str, ...] = ()
     workloads: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    workload_turns: Mapping[str, int] = field(default_factory=dict)
     cases: dict[str, Case] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -168,6 +173,8 @@ class Matrix:
         )
         if stray:
             raise ValueError(f"workloads name no cell of the matrix: {stray}")
+        if set(self.workload_turns) - set(self.workloads):
+            raise ValueError("workload_turns names a workload the matrix does not run")
 
     def _build(self) -> dict[str, Case]:
         """Every case, in an order that lets consecutive cases share their
@@ -179,7 +186,10 @@ class Matrix:
                 cases[cell.case_id] = cell
                 for workload, cells in self.workloads.items():
                     if cell.cell in cells:
-                        case = Case(deployment, mode_name, workload=workload)
+                        turns = self.workload_turns.get(workload, NUM_TURNS)
+                        case = Case(
+                            deployment, mode_name, workload=workload, num_turns=turns
+                        )
                         cases[case.case_id] = case
                 if cell.cell not in self.sweep:
                     continue
@@ -233,7 +243,9 @@ class Matrix:
             deployment = self.deployments[case.deployment]
             # The cell's first case starts its servers; its sweep reuses them.
             start = case.case_id == case.cell
-            seconds = case_seconds(len(deployment.instances), CASE_TURNS, start)
+            # Its turns and the resend.
+            turns = case.num_turns + 1
+            seconds = case_seconds(len(deployment.instances), turns, start)
             marks = [servers_mark(case.cell, seconds)]
             devices = deployment.num_devices
             if device_marks is not None and devices > 1:

@@ -91,16 +91,16 @@ class PlannedTurn:
     resend: bool = False
 
 
-def plan_turns(first_len: int) -> list[PlannedTurn]:
+def plan_turns(first_len: int, num_turns: int = NUM_TURNS) -> list[PlannedTurn]:
     """The requests of a conversation whose first prompt has ``first_len``
-    tokens: NUM_TURNS turns, each TURN_TOKENS longer than the one before,
-    then an exact resend of the last prompt."""
+    tokens: ``num_turns`` turns, each TURN_TOKENS longer than the one
+    before, then an exact resend of the last prompt."""
     turns, prev_len = [], 0
-    for index in range(NUM_TURNS):
+    for index in range(num_turns):
         prompt_len = first_len + index * TURN_TOKENS
         turns.append(PlannedTurn(index, prompt_len, prev_len))
         prev_len = prompt_len
-    turns.append(PlannedTurn(NUM_TURNS, prev_len, prev_len, resend=True))
+    turns.append(PlannedTurn(num_turns, prev_len, prev_len, resend=True))
     return turns
 
 
