@@ -496,31 +496,34 @@ def test_small_budget(tiny_model, cpu_binding, cell_id: str) -> None:
 def test_aligned(tiny_model, cpu_binding, cell_id: str) -> None:
     """A conversation whose first prompt ends exactly on a block (sweep
     shape "exact"): every turn hits the harness's expectation. Where the
-    cell's matrix plays its aligned case with fewer turns (the Kimi-K3
-    matrix: the aligned prompt, then its resend), that conversation too."""
+    cell's matrix plays its aligned case otherwise (the Kimi-K3 matrix: the
+    aligned prompt and the next turn, no resend), that conversation too."""
     cell = cell_of(cell_id, cpu_binding)
     tier_name, name, mode_name = CELLS[cell_id]
     matrix = kimi.MATRIX if tier_name == "kimi" else cpu_known.MATRIX
     case = matrix.cases.get(f"{name}-{mode_name}-aligned")
-    turns = {harness.NUM_TURNS} | ({case.num_turns} if case is not None else set())
+    plans = {(harness.NUM_TURNS, True)}
+    if case is not None:
+        plans.add((case.num_turns, case.resend))
     for kda, alignment in kda_checkpoints(cell).items():
-        for num_turns in sorted(turns, reverse=True):
+        for num_turns, resend in sorted(plans, reverse=True):
             engines = engines_of(
                 cell, tiny_model, cpu_binding, kda_checkpoint=alignment
             )
             seed = f"{cell_id}-aligned"
-            if num_turns != harness.NUM_TURNS:
+            if (num_turns, resend) != (harness.NUM_TURNS, True):
                 seed += f"-{num_turns}-turns"
 
-            def aligned(units, seed=seed, num_turns=num_turns):
+            def aligned(units, seed=seed, num_turns=num_turns, resend=resend):
                 length = harness.shape_length("exact", units)
-                return [harness.Conversation("exact", length, seed, num_turns)]
+                return [harness.Conversation("exact", length, seed, num_turns, resend)]
 
             units, servers, results = play_reference(cell, engines, aligned)
             rows, problems = tier.case_problems(
                 servers, results, units, cell.mode, cell.deployment
             )
-            detail = f"{kda} {num_turns} turns\n" + "\n".join(rows)
+            plan = f"{num_turns} turns" + (" and a resend" if resend else "")
+            detail = f"{kda} {plan}\n" + "\n".join(rows)
             fail("aligned", cell_id, problems, detail)
     passed("aligned", cell_id)
 

@@ -206,10 +206,12 @@ BINDING = Binding(
 # The workloads beside the conversation, on each cell's running servers, where
 # a case costs less than the cell's server start. By the 4xB200 step's
 # measurement (harness.matrix: a start of 80 s per server, a turn with its
-# recompute 27 s, settling 15 s), a first prompt that ends on a block and its
-# resend take 2 x 27 + 15 = 69 s per server; the siblings of a shared prefix
-# (four turns, 123 s) do not fit, nor any other workload, and the scheduler
-# tier replays each for every cell instead (test_scheduler_workloads.py). The
+# recompute 27 s, settling 15 s), a first prompt that ends on a block and the
+# next turn, which resumes from its checkpoint (vLLM #44599 and #51094: a
+# state restored at an aligned boundary had consumed the last prompt token),
+# take 2 x 27 + 15 = 69 s per server; the siblings of a shared prefix (four
+# turns, 123 s) do not fit, nor any other workload, and the scheduler tier
+# replays each for every cell instead (test_scheduler_workloads.py). The
 # aligned prompt goes where no tier on B200 sent one (offload and P/D), less:
 # - dcp2-offload-partial: the scheduler tier finds its checkpoint lost on the
 #   host (test_scheduler_workloads.KNOWN); it joins, listed with its
@@ -229,7 +231,7 @@ MATRIX = Matrix(
     MODES,
     KNOWN[PLATFORM or "sm100"],
     workloads=WORKLOADS,
-    workload_turns={"aligned": 1},
+    workload_turns={"aligned": 2},
 )
 PARAMS = MATRIX.params(device_marks=lambda n: multi_gpu_marks(num_gpus=n))
 
@@ -250,6 +252,7 @@ def test_prefix_cache(hybrid_suite: Suite, case_id: str) -> None:
             case.workload,
             known,
             num_turns=case.num_turns,
+            resend=case.resend,
         )
     assert record.ok, record.explain()
 

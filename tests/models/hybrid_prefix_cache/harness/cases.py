@@ -198,17 +198,17 @@ def serve_case(
 
 
 def _conversations(
-    case_id: str, play: Play, shapes: Sequence[str], num_turns: int
+    case_id: str, play: Play, shapes: Sequence[str], num_turns: int, resend: bool
 ) -> list[Conversation]:
     """The reference conversation, or one per sweep shape that exists where
     the case's servers resolve (skip if none does), of ``num_turns``
-    growing turns each."""
+    growing turns each and (``resend``) a resend."""
     if not shapes:
         reference = reference_conversation(play.units, case_id)
-        return [replace(reference, num_turns=num_turns)]
+        return [replace(reference, num_turns=num_turns, resend=resend)]
     lengths = {shape: shape_length(shape, play.units) for shape in shapes}
     conversations = [
-        Conversation(shape, length, f"{case_id}-{shape}", num_turns)
+        Conversation(shape, length, f"{case_id}-{shape}", num_turns, resend)
         for shape, length in lengths.items()
         if length is not None
     ]
@@ -231,11 +231,12 @@ def run_case(
     concurrent: bool = False,
     known: Sequence[Known] = (),
     num_turns: int = NUM_TURNS,
+    resend: bool = True,
 ) -> CaseRecord:
     """Serve ``deployment`` in ``mode`` on ``suite``'s servers and check its
     conversations: the reference one, or one per sweep shape in ``shapes``,
     played one after another or (``concurrent``) all at once, each of
-    ``num_turns`` growing turns and a resend.
+    ``num_turns`` growing turns and (``resend``) a resend.
 
     Returns the case's record, whose problems the test asserts on
     (``assert record.ok, record.explain()``); a case listed in ``known``
@@ -250,7 +251,7 @@ def run_case(
         # Set before the servers start: a refusal at start is judged on it.
         run.record = record
         with serve_case(record, binding, deployment, mode, suite.pool) as play:
-            conversations = _conversations(case_id, play, shapes, num_turns)
+            conversations = _conversations(case_id, play, shapes, num_turns, resend)
             play.batched = concurrent
             run_conversations(play, conversations, record.turns)
     return record
@@ -343,11 +344,12 @@ def run_workload(
     workload: str,
     known: Sequence[Known] = (),
     num_turns: int = NUM_TURNS,
+    resend: bool = True,
 ) -> CaseRecord:
     """A matrix's workload case on its cell's servers (Matrix.workloads):
     the siblings of a shared prefix (:func:`run_siblings`), or a
-    conversation of ``num_turns`` growing turns and a resend from a first
-    prompt that ends on a block (the sweep's "exact" shape,
+    conversation of ``num_turns`` growing turns and (``resend``) a resend
+    from a first prompt that ends on a block (the sweep's "exact" shape,
     :func:`run_case`). A listed case xfails, skips or fails here as in
     :func:`run_case`."""
     __tracebackhide__ = True
@@ -361,6 +363,7 @@ def run_workload(
             shapes=("exact",),
             known=known,
             num_turns=num_turns,
+            resend=resend,
         )
     if workload != "shared-prefix":
         raise ValueError(f"{case_id}: no real-server play of workload {workload!r}")

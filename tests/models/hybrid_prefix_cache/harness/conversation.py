@@ -49,8 +49,10 @@ class Conversation:
     label: str
     first_len: int
     seed: str
-    # Its growing turns before the resend (harness.plan_turns).
+    # Its growing turns, and whether an exact resend follows them
+    # (harness.plan_turns).
     num_turns: int = NUM_TURNS
+    resend: bool = True
 
 
 def reference_conversation(units: Units, seed: str) -> Conversation:
@@ -218,9 +220,8 @@ def run_conversations(
         rng = random.Random(conv.seed)
         prompt = random_tokens(rng, play.binding.token_ids, conv.first_len)
         salt = fresh_salt("conversation")
-        states.append(
-            (conv, rng, salt, prompt, plan_turns(conv.first_len, conv.num_turns))
-        )
+        plan = plan_turns(conv.first_len, conv.num_turns, conv.resend)
+        states.append((conv, rng, salt, prompt, plan))
     if len({len(plan) for *_, plan in states}) > 1:
         raise ValueError("conversations played together must have as many turns")
     for index in range(len(states[0][4])):

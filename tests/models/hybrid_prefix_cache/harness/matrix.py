@@ -10,7 +10,7 @@ balance the jobs by cost (:func:`case_seconds`, :func:`shard_by_cost`)."""
 
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -124,8 +124,10 @@ class Case:
     shape: str | None = None  # a sweep shape, or None for the reference
     concurrent: bool = False  # every shape of the cell at once
     workload: str | None = None  # a workload of harness.WORKLOADS
-    # Its conversation's growing turns before the resend (plan_turns).
+    # Its conversation's growing turns, and whether a resend follows them
+    # (plan_turns).
     num_turns: int = NUM_TURNS
+    resend: bool = True
 
     @property
     def cell(self) -> str:
@@ -146,8 +148,8 @@ class Matrix:
     run every sweep shape alone and all of them at once, and the cells that
     also run each workload (``workloads``: a workload of harness.WORKLOADS
     to its cells), on the cell's servers; a workload played as a
-    conversation has ``workload_turns`` growing turns where given (fewer
-    than a cell's, to cost less than the servers' start).
+    conversation plays ``workload_turns`` growing turns and no resend where
+    given (fewer than a cell's, to cost less than the servers' start).
 
     Every known entry must name a case (checked at construction); a test
     passes :meth:`known_for` to ``run_case``, so a listed case must fail
@@ -186,10 +188,10 @@ class Matrix:
                 cases[cell.case_id] = cell
                 for workload, cells in self.workloads.items():
                     if cell.cell in cells:
-                        turns = self.workload_turns.get(workload, NUM_TURNS)
-                        case = Case(
-                            deployment, mode_name, workload=workload, num_turns=turns
-                        )
+                        turns = self.workload_turns.get(workload)
+                        case = Case(deployment, mode_name, workload=workload)
+                        if turns is not None:
+                            case = replace(case, num_turns=turns, resend=False)
                         cases[case.case_id] = case
                 if cell.cell not in self.sweep:
                     continue
@@ -244,7 +246,7 @@ class Matrix:
             # The cell's first case starts its servers; its sweep reuses them.
             start = case.case_id == case.cell
             # Its turns and the resend.
-            turns = case.num_turns + 1
+            turns = case.num_turns + case.resend
             seconds = case_seconds(len(deployment.instances), turns, start)
             marks = [servers_mark(case.cell, seconds)]
             devices = deployment.num_devices

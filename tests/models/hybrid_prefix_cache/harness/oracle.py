@@ -91,16 +91,19 @@ class PlannedTurn:
     resend: bool = False
 
 
-def plan_turns(first_len: int, num_turns: int = NUM_TURNS) -> list[PlannedTurn]:
+def plan_turns(
+    first_len: int, num_turns: int = NUM_TURNS, resend: bool = True
+) -> list[PlannedTurn]:
     """The requests of a conversation whose first prompt has ``first_len``
     tokens: ``num_turns`` turns, each TURN_TOKENS longer than the one
-    before, then an exact resend of the last prompt."""
+    before, then (``resend``) an exact resend of the last prompt."""
     turns, prev_len = [], 0
     for index in range(num_turns):
         prompt_len = first_len + index * TURN_TOKENS
         turns.append(PlannedTurn(index, prompt_len, prev_len))
         prev_len = prompt_len
-    turns.append(PlannedTurn(num_turns, prev_len, prev_len, resend=True))
+    if resend:
+        turns.append(PlannedTurn(num_turns, prev_len, prev_len, resend=True))
     return turns
 
 

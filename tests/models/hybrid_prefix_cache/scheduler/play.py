@@ -91,7 +91,9 @@ def play_conversations(
         rng = random.Random(conv.seed)
         prompt = harness.random_tokens(rng, token_ids, conv.first_len)
         states.append([conv, rng, f"conversation-{conv.seed}", prompt])
-    plans = [harness.plan_turns(c.first_len, c.num_turns) for c in conversations]
+    plans = [
+        harness.plan_turns(c.first_len, c.num_turns, c.resend) for c in conversations
+    ]
     assert len({len(plan) for plan in plans}) == 1, "conversations of unequal turns"
     for index in range(len(plans[0])):
         outputs: list[list[int]] = []
