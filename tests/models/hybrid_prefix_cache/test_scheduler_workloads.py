@@ -4,7 +4,7 @@
 (harness.WORKLOADS), replayed through vLLM's own scheduler for every cell of
 both matrices where they apply, in seconds and without a device.
 
-Each case is ``<tier>-<deployment>-<mode>-<workload>``; each failure names
+Each case is ``test_<workload>[<tier>-<deployment>-<mode>]``; each failure names
 the property its workload holds. The cells and their engines are the
 scheduler tier's (test_scheduler_conformance.py): the Kimi-K3 matrix at its
 stated B200 geometry (with both KDA prefill checkpoints), the CPU tier's at

@@ -603,9 +603,9 @@ def _cost_and_servers(node: str) -> tuple[float, str]:
         case = kimi.MATRIX.cases[name[len("test_prefix_cache[") : -1]]
         pd = kimi.DEPLOYMENTS[case.deployment].prefill is not None
         if case.workload is not None:
-            # On its cell's running servers, in one-server cells.
+            # Its turns on its cell's running servers, in one-server cells.
             servers = 2 if pd else 1
-            seconds = case_seconds(servers, case.num_turns + 1, start=False)
+            seconds = case_seconds(servers, case.turns, start=False)
             return seconds / case_seconds(1, CASE_TURNS), case.cell
         return (PD_CELL if pd else ONE_SERVER_CELL), case.cell
     if name.startswith("test_exact_resend["):

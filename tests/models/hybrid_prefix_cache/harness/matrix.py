@@ -130,6 +130,12 @@ class Case:
     resend: bool = True
 
     @property
+    def turns(self) -> int:
+        """The requests it plays with their recomputes: its growing turns,
+        and the resend if it has one."""
+        return self.num_turns + self.resend
+
+    @property
     def cell(self) -> str:
         return f"{self.deployment}-{self.mode}"
 
@@ -245,9 +251,7 @@ class Matrix:
             deployment = self.deployments[case.deployment]
             # The cell's first case starts its servers; its sweep reuses them.
             start = case.case_id == case.cell
-            # Its turns and the resend.
-            turns = case.num_turns + case.resend
-            seconds = case_seconds(len(deployment.instances), turns, start)
+            seconds = case_seconds(len(deployment.instances), case.turns, start)
             marks = [servers_mark(case.cell, seconds)]
             devices = deployment.num_devices
             if device_marks is not None and devices > 1:

@@ -39,9 +39,11 @@ WORKLOADS = {
         Workload(
             "abort-retry",
             "a retry after an abort matches its recompute",
-            "v1/core/sched/scheduler.py Scheduler.finish_requests and "
-            "update_from_output (a block is cached once its step's output "
-            "is processed), v1/core/single_type_kv_cache_manager.py",
+            "v1/core/sched/scheduler.py Scheduler.finish_requests, "
+            "v1/core/single_type_kv_cache_manager.py MambaManager.cache_blocks "
+            "(a state is published when its chunk is scheduled), "
+            "v1/engine/core.py EngineCore.step_with_batch_queue (the steps "
+            "scheduled before the abort complete)",
         ),
         Workload(
             "eviction",
@@ -131,9 +133,7 @@ def abort_length(units: Units, budget: int) -> int:
     """A prompt whose prefill takes at least two steps under ``budget``
     tokens a step, so that an abort can land between them."""
     return (
-        max(budget, FIRST_PROMPT_BLOCKS * units.block)
-        + units.block
-        + (FIRST_PROMPT_TAIL)
+        max(budget, FIRST_PROMPT_BLOCKS * units.block) + units.block + FIRST_PROMPT_TAIL
     )
 
 
