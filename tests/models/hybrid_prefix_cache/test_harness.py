@@ -836,6 +836,15 @@ def test_abort_problems_bound_what_the_steps_wrote():
     assert "not a multiple of the hit unit" in why
 
 
+def test_overlap_problems_bound_the_steps_before_the_retrys():
+    units = harness.Units(block=256, hit=64)
+    assert harness.overlap_problems(2304, 2304, 2341, units) == []
+    (why,) = harness.overlap_problems(2304, 2048, 2341, units)
+    assert "a state its own step publishes" in why
+    (why,) = harness.overlap_problems(100, 2048, 2341, units)
+    assert "not a multiple of the hit unit" in why
+
+
 def test_eviction_problems_take_the_least_group():
     assert harness.eviction_problems(512, (768, 512, 512)) == []
     (why,) = harness.eviction_problems(768, (768, 512, 768))

@@ -310,7 +310,10 @@ def test_abort_retry(tiny_model, cpu_binding, cell_id: str, scheduling: str) -> 
     then retries: the retry never resumes past what the aborted request's
     steps wrote (harness.abort_problems), its recompute hits nothing, and
     the counters count the aborted request once. Under asynchronous
-    scheduling the abort lands with a step in flight."""
+    scheduling the abort lands with a step in flight. Then a retry sent
+    while the original still prefills, and the original aborted after it:
+    the retry never resumes from a state that its own step publishes
+    (harness.overlap_problems)."""
     cell = cell_of(cell_id, cpu_binding)
     setting = Setting(async_scheduling=scheduling == "async")
     for kda, alignment in kda_checkpoints(cell).items():
@@ -326,6 +329,16 @@ def test_abort_retry(tiny_model, cpu_binding, cell_id: str, scheduling: str) -> 
         )
         problems += controls(result.recompute_hit, servers)
         fail("abort-retry", cell_id, problems, f"{kda} {result}")
+        # The retry sent while the original still prefills, then the abort.
+        units, servers = servers_of(cell, engines)
+        overlap = scheduler.play_overlapping_retry(
+            servers, cell.deployment, prompt_len, cell_id, cell.token_ids
+        )
+        problems = harness.overlap_problems(
+            overlap.hit, overlap.written, prompt_len, units
+        )
+        problems += controls(overlap.recompute_hit, servers)
+        fail("abort-retry", cell_id, problems, f"{kda} {overlap}")
 
 
 def async_engines(

@@ -245,6 +245,7 @@ from tests.models.hybrid_prefix_cache.harness.workloads import (  # noqa: F401
     abort_problems,
     eviction_problems,
     junction_checkpoint,
+    overlap_problems,
     shared_prefix_length,
     sibling_tail_length,
     small_budgets,

@@ -43,7 +43,10 @@ WORKLOADS = {
             "v1/core/single_type_kv_cache_manager.py MambaManager.cache_blocks "
             "(a state is published when its chunk is scheduled), "
             "v1/engine/core.py EngineCore.step_with_batch_queue (the steps "
-            "scheduled before the abort complete)",
+            "scheduled before the abort complete), MambaManager."
+            "get_num_blocks_to_allocate (a retry admitted beside the original "
+            "is held back from a state published in its own step, "
+            "cached_blocks_this_step)",
         ),
         Workload(
             "eviction",
@@ -157,6 +160,31 @@ def abort_problems(
             f"retry cached {hit} > the {written + in_flight} tokens the aborted "
             f"request's steps wrote ({written} processed, {in_flight} in flight, "
             f"of {prompt_len}): a published boundary was never written"
+        )
+    return problems
+
+
+def overlap_problems(
+    hit: int, written: int, prompt_len: int, units: Units
+) -> list[str]:
+    """Why a retry's ``hit`` cannot be real, when it was sent while its
+    original was still prefilling and first scheduled in a step before which
+    the original's steps had scheduled ``written`` tokens of the
+    ``prompt_len``-token prompt. A step writes the recurrent states its
+    chunks publish only as it runs, after it read the states its requests
+    resume from, and steps run in the order they were scheduled; so the
+    retry may resume from those ``written`` tokens and no others, not from a
+    state its own step publishes (MambaManager.get_num_blocks_to_allocate
+    holds a request back from one, cached_blocks_this_step). vLLM #56525 is
+    the retry that loaded a state before the step that writes it."""
+    problems = []
+    if hit % units.hit:
+        problems.append(f"retry cached {hit}, not a multiple of the hit unit")
+    if hit > written:
+        problems.append(
+            f"retry cached {hit} > the {written} tokens of the {prompt_len}-token "
+            f"prompt that the original's steps before the retry's own had "
+            f"written: it resumed from a state its own step publishes"
         )
     return problems
 

@@ -48,7 +48,8 @@ Which module owns what (each imports only the ones above it):
   :func:`play_resend`, :class:`TurnResult`) and :func:`units_of`;
 * ``workloads``: the workloads beside the growing conversation that need a
   play of their own (:func:`play_siblings`, :func:`play_abort_retry`,
-  :func:`play_eviction`) and each group's own hit (:func:`per_group_hits`).
+  :func:`play_overlapping_retry`, :func:`play_eviction`) and each group's
+  own hit (:func:`per_group_hits`).
 """
 
 # Every public name of the package, for ``scheduler.X``; F401: these imports
@@ -90,10 +91,12 @@ from tests.models.hybrid_prefix_cache.scheduler.workers import (  # noqa: F401
 from tests.models.hybrid_prefix_cache.scheduler.workloads import (  # noqa: F401
     AbortRetry,
     Eviction,
+    OverlappingRetry,
     Sibling,
     blocks_in_use,
     per_group_hits,
     play_abort_retry,
     play_eviction,
+    play_overlapping_retry,
     play_siblings,
 )

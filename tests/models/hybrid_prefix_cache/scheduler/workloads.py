@@ -13,7 +13,11 @@ from dataclasses import dataclass
 
 from tests.models.hybrid_prefix_cache import harness
 from tests.models.hybrid_prefix_cache.scheduler.play import _hit_and_recompute, send
-from tests.models.hybrid_prefix_cache.scheduler.servers import EngineLoop, ReplayServer
+from tests.models.hybrid_prefix_cache.scheduler.servers import (
+    STEP_LIMIT,
+    EngineLoop,
+    ReplayServer,
+)
 from vllm.sampling_params import SamplingParams
 from vllm.v1.request import RequestStatus
 
@@ -121,6 +125,100 @@ def play_abort_retry(
     for server in servers:
         server.drain()
     return AbortRetry(prompt_len, written, in_flight, hit, recomputed)
+
+
+@dataclass(frozen=True)
+class OverlappingRetry:
+    prompt_len: int
+    # Tokens of the original that steps scheduled before the step that
+    # first scheduled the retry (they ran first), and how far the original
+    # had got when it was aborted.
+    written: int
+    aborted_at: int
+    hit: int
+    recompute_hit: int
+
+
+def play_overlapping_retry(
+    servers: Sequence[ReplayServer],
+    deployment: harness.Deployment,
+    prompt_len: int,
+    seed: str,
+    token_ids: tuple[int, int],
+) -> OverlappingRetry:
+    """A client's retry sent while its original request is still
+    prefilling, and then the original aborted (a client that times out and
+    retries before its first connection is closed), both under one salt, on
+    the prefiller under P/D, where the client sends first. The retry waits
+    for the token budget that the original's chunks leave, so it is admitted
+    beside one of them: beside the chunk cut at the prompt's last checkpoint
+    (Scheduler._mamba_block_aligned_split), it is the step whose chunk
+    publishes that state (MambaManager.cache_blocks) and writes it only as
+    it runs. Then the retry's prefill finishes (its decode leg under P/D),
+    and its recompute under a fresh salt."""
+    prompt = harness.random_tokens(random.Random(seed), token_ids, prompt_len)
+    salt = f"overlap-{seed}"
+    first = servers[0]
+    sent = None if len(servers) == 1 else harness.PREFILL_KV_TRANSFER_PARAMS
+    max_tokens = 1 if sent else harness.MAX_TOKENS
+    original = first.submit(prompt, salt, max_tokens, sent)
+    loop = first.routed[original.request_id]
+    # Under data parallelism requests go round-robin: the other engines get
+    # a short request each, so that the retry reaches the original's engine.
+    filler = harness.random_tokens(random.Random(f"{seed}-pad"), token_ids, 8)
+    pads = [
+        first.submit(filler, f"pad-{seed}-{rank}", 1)
+        for rank in range(1, len(first.loops))
+    ]
+    assert first.step(), "the original was never scheduled"
+    retry = first.submit(prompt, salt, max_tokens, sent)
+    assert first.routed[retry.request_id] is loop, "the retry went to another engine"
+    scheduler = loop.scheduler
+    written = 0
+    for _ in range(STEP_LIMIT):
+        state = scheduler.requests.get(original.request_id)
+        written = state.num_computed_tokens if state is not None else prompt_len
+        assert first.step(), "the retry was never scheduled"
+        request = scheduler.requests.get(retry.request_id)
+        # Scheduled: running, or already finished (a prefill leg of one
+        # token finishes in the step that schedules it).
+        if request is None or request.status != RequestStatus.WAITING:
+            break
+    else:
+        raise AssertionError(f"the retry was not scheduled in {STEP_LIMIT} steps")
+    state = scheduler.requests.get(original.request_id)
+    aborted = state is not None and not original.finished
+    aborted_at = state.num_computed_tokens if aborted else prompt_len
+    if aborted:
+        scheduler.finish_requests([original.request_id], RequestStatus.FINISHED_ABORTED)
+        # Its prompt was looked up and counted at admission; it was cold.
+        first.ledger += harness.ledger_entry(prompt_len, 0, sent)
+    for _ in range(STEP_LIMIT):
+        if retry.finished:
+            break
+        assert first.step(), f"{retry.request_id} stalled"
+    else:
+        raise AssertionError(first.stalled(retry))
+    assert retry.cached_tokens is not None
+    hit = retry.cached_tokens
+    # What finished goes on as the client sends it: under P/D, the decode
+    # leg of each prefill that finished (the prefiller holds its blocks for
+    # the decoder until then).
+    for completion in (retry,) if aborted else (original, retry):
+        first.settle(completion, sent)
+        if sent is not None:
+            params = completion.kv_transfer_params
+            servers[-1].complete(prompt, salt, kv_transfer_params=params)
+    for pad in pads:
+        first.settle(pad, None)
+    first.drain()
+    recompute = servers[-1].complete(prompt, f"recompute-{seed}")
+    assert recompute.cached_tokens is not None
+    for server in servers:
+        server.drain()
+    return OverlappingRetry(
+        prompt_len, written, aborted_at, hit, recompute.cached_tokens
+    )
 
 
 def per_group_hits(server: ReplayServer, prompt: Sequence[int], salt: str) -> tuple:
