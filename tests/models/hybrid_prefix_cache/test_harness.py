@@ -845,6 +845,19 @@ def test_overlap_problems_bound_the_steps_before_the_retrys():
     assert "not a multiple of the hit unit" in why
 
 
+def test_decoder_transfers_what_its_own_cache_does_not_hold():
+    # The decoder loads 768 of a 769-token prompt (PD_PREFILL_BACKOFF 1).
+    assert harness.decoder_problems(769, 0, 1, 0) == []
+    assert harness.decoder_problems(769, 512, 1, 512) == []
+    assert harness.decoder_problems(769, 768, 0, 512) == []
+    (why,) = harness.decoder_problems(769, 768, 1, 512)
+    assert "moved by 1, expected 0" in why
+    (why,) = harness.decoder_problems(769, 512, 0, 512)
+    assert "moved by 0, expected 1" in why
+    (why,) = harness.decoder_problems(769, 769, 0, 512)
+    assert "beyond the 768 it loads" in why
+
+
 def test_eviction_problems_take_the_least_group():
     assert harness.eviction_problems(512, (768, 512, 512)) == []
     (why,) = harness.eviction_problems(768, (768, 512, 768))

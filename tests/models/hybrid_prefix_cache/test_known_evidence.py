@@ -24,6 +24,7 @@ from tests.models.hybrid_prefix_cache.harness import (
 )
 from tests.models.hybrid_prefix_cache.test_paths import (
     lost_checkpoint_turn,
+    lost_resend_turn,
     pd_transfer_apart_turn,
     restored_apart_turn,
 )
@@ -76,6 +77,8 @@ RECORD_FAILURES |= {
     ("pd-block-aligned", (256, 256)): lambda: lost_checkpoint_turn(
         "exact", 1, 768, 256
     ),
+    # The 769-token resend, of which the prefiller sees 768 tokens.
+    ("pd-block-pd-resend", (256, 256)): lambda: lost_resend_turn(769, 256, 1),
     # Turn 1 restored 704 tokens and sat 0.00285 from its cold twin.
     ("pd-partial-aligned", (256, 64)): lambda: restored_apart_turn(
         "exact", 1, 768, 1545, 64, 0.00285, block=256, pd=True

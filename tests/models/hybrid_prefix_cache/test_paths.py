@@ -101,6 +101,24 @@ def lost_checkpoint_turn(shape: str, index: int, prev_len: int, unit: int) -> Tu
     return played
 
 
+def lost_resend_turn(prompt_len: int, unit: int, backoff: int = 0) -> Turn:
+    """An exact resend of ``prompt_len`` tokens that hit nothing where its
+    own checkpoint is (of the prompt less ``backoff``, which the P/D
+    prefiller sees), checked by the oracle."""
+    played = turn(
+        1,
+        prompt_len,
+        prompt_len,
+        unit,
+        sample(prompt_len=prompt_len),
+        sample(prompt_len=prompt_len),
+        resend=True,
+        backoff=backoff,
+    )
+    check_turn(played, Units(block=unit, hit=unit), 0.0)
+    return played
+
+
 def restored_apart_turn(
     shape: str,
     index: int,

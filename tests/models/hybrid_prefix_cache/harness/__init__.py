@@ -211,6 +211,7 @@ from tests.models.hybrid_prefix_cache.harness.reconcile import (  # noqa: F401
     SPEC_DRAFTS,
     Ledger,
     counter_problems,
+    decoder_problems,
     expected_requests,
     ledger_entry,
 )

@@ -6,7 +6,7 @@ a known-failure entry (:func:`expect_known`)."""
 
 import contextlib
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -30,6 +30,7 @@ from tests.models.hybrid_prefix_cache.harness.conversation import (
     shape_length,
 )
 from tests.models.hybrid_prefix_cache.harness.deployment import (
+    PD_PREFILL_BACKOFF,
     Binding,
     Deployment,
     Known,
@@ -37,7 +38,12 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (
     Units,
     select_known,
 )
-from tests.models.hybrid_prefix_cache.harness.oracle import NUM_TURNS, PlannedTurn, Turn
+from tests.models.hybrid_prefix_cache.harness.oracle import (
+    NUM_TURNS,
+    PlannedTurn,
+    Turn,
+    expected_resend,
+)
 from tests.models.hybrid_prefix_cache.harness.records import CaseRecord, reported_case
 from tests.models.hybrid_prefix_cache.harness.servers import ServerPool
 from tests.models.hybrid_prefix_cache.harness.workloads import (
@@ -263,10 +269,13 @@ def run_resend(
     binding: Binding,
     deployment: Deployment,
     mode: Mode,
-    prompt_len: int,
+    prompt_len: int | Callable[[Units], int],
+    workload: str | None = None,
 ) -> CaseRecord:
     """Send one prompt cold, resend it, and recompute it under a fresh salt,
     on ``suite``'s servers; return the record for the test to assert on.
+    ``prompt_len`` may be a function of the units the servers report; a
+    failure names the property of ``workload``, if given.
 
     The cold request and the recompute hit nothing; the resend hits at least
     the prompt's own checkpoint (:func:`expected_resend`, on the instance that
@@ -277,6 +286,8 @@ def run_resend(
         reported_case(case_id, suite.records) as record,
         serve_case(record, binding, deployment, mode, suite.pool) as play,
     ):
+        if callable(prompt_len):
+            prompt_len = prompt_len(play.units)
         prompt = random_tokens(random.Random(case_id), binding.token_ids, prompt_len)
         salt = fresh_salt("resend")
         cold = Turn("", 0, prompt_len, 0, 0, prompt=prompt, salt=salt)
@@ -290,6 +301,12 @@ def run_resend(
         record.turns.append(resend)
         play_turn(play, resend, prompt, salt)
         finish_turns(play, record.turns)
+        if workload == "pd-resend":
+            resend.problems += decoder_resend_problems(resend, play.units, mode)
+        if workload is not None and any(turn.problems for turn in record.turns):
+            record.problems.append(
+                f"{workload}: {WORKLOADS[workload].holds} (a {prompt_len}-token prompt)"
+            )
     return record
 
 
@@ -347,7 +364,8 @@ def run_workload(
     resend: bool = True,
 ) -> CaseRecord:
     """A matrix's workload case on its cell's servers (Matrix.workloads):
-    the siblings of a shared prefix (:func:`run_siblings`), or a
+    the siblings of a shared prefix (:func:`run_siblings`), an exact P/D
+    resend (:func:`run_resend` of :func:`pd_resend_length`), or a
     conversation of ``num_turns`` growing turns and (``resend``) a resend
     from a first prompt that ends on a block (the sweep's "exact" shape,
     :func:`run_case`). A listed case xfails, skips or fails here as in
@@ -365,8 +383,42 @@ def run_workload(
             num_turns=num_turns,
             resend=resend,
         )
-    if workload != "shared-prefix":
-        raise ValueError(f"{case_id}: no real-server play of workload {workload!r}")
     with expect_known(case_id, known) as run:
-        run.record = run_siblings(suite, case_id, binding, deployment, mode)
+        if workload == "shared-prefix":
+            run.record = run_siblings(suite, case_id, binding, deployment, mode)
+        elif workload == "pd-resend":
+            run.record = run_resend(
+                suite, case_id, binding, deployment, mode, pd_resend_length, workload
+            )
+        else:
+            raise ValueError(f"{case_id}: no real-server play of workload {workload!r}")
     return run.record
+
+
+def decoder_resend_problems(resend: Turn, units: Units, mode: Mode) -> list[str]:
+    """A P/D resend's decoder already holds the prompt: its decode leg of
+    the same prompt and salt loaded and cached every block the prefiller
+    sent (Scheduler._update_waiting_for_remote_kv caches them once they
+    arrive), so it hits the resent prompt's own checkpoint as any instance
+    does (:func:`expected_resend` of the whole prompt, which it sees); a
+    decoder that hashed nothing would hit 0 (vLLM #42547)."""
+    assert resend.output is not None
+    hit = resend.output.decoder_hit
+    # The decoder serves the same model in the same mode: the units its
+    # prefiller reported.
+    expected = expected_resend(resend.prompt_len, units.hit, mode.drops_unit)
+    if hit == expected:
+        return []
+    return [
+        f"resend: the decoder's own cache hit {hit} tokens, not the resent "
+        f"{resend.prompt_len}-token prompt's checkpoint {expected} that its "
+        f"decode of the same prompt cached"
+    ]
+
+
+def pd_resend_length(units: Units) -> int:
+    """The prompt of a P/D resend: the prefiller sees it less the trailing
+    tokens the decoder recomputes (PD_PREFILL_BACKOFF), and that part ends
+    on a block, so that every block of it is cached there
+    (nixl/base_scheduler.py _truncate_request_for_prefill; vLLM #53514)."""
+    return shape_length("exact", units) + PD_PREFILL_BACKOFF

@@ -14,7 +14,10 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.models.hybrid_prefix_cache.harness.clock import phase
-from tests.models.hybrid_prefix_cache.harness.deployment import Mode
+from tests.models.hybrid_prefix_cache.harness.deployment import (
+    PD_PREFILL_BACKOFF,
+    Mode,
+)
 from tests.models.hybrid_prefix_cache.harness.oracle import NUM_LOGPROBS, Sample, Turn
 from tests.models.hybrid_prefix_cache.harness.reconcile import (
     EXTERNAL_HITS,
@@ -27,6 +30,7 @@ from tests.models.hybrid_prefix_cache.harness.reconcile import (
     SPEC_DRAFTS,
     Ledger,
     counter_deltas,
+    decoder_problems,
     drafter_problems,
     expected_requests,
     ledger_entry,
@@ -247,7 +251,7 @@ def send(
         raise AssertionError(
             f"the prefiller {prefiller.url_root} returned no kv_transfer_params"
         )
-    before = read_counters(decoder)[NIXL_TRANSFERS] if problems is not None else 0
+    before = read_counters(decoder) if problems is not None else {}
     decode = complete(
         decoder,
         model,
@@ -255,21 +259,42 @@ def send(
         salt,
         kv_transfer_params=prefill.kv_transfer_params,
     )
+    decoder_hit = None
     if problems is not None:
-        after = poll_counter(decoder, NIXL_TRANSFERS, lambda v: v > (before or 0))
-        if before is None or after is None:
-            problems.append(f"the decoder exports no {NIXL_TRANSFERS}")
-        elif after <= before:
-            problems.append(
-                f"the decoder's {NIXL_TRANSFERS} stayed at {after:g}: no KV "
-                f"was transferred for this request"
-            )
+        found, decoder_hit = _decoder_leg(decoder, before, len(prompt), prefill)
+        problems += found
         if decode.cached_tokens != prefill.cached_tokens:
             problems.append(
                 f"the decoder reports {decode.cached_tokens} cached tokens, "
                 f"the prefiller hit {prefill.cached_tokens}"
             )
-    return replace(decode, cached_tokens=prefill.cached_tokens)
+    return replace(decode, cached_tokens=prefill.cached_tokens, decoder_hit=decoder_hit)
+
+
+def _decoder_leg(
+    decoder: Server, before: dict[str, float | None], prompt_len: int, prefill: Sample
+) -> tuple[list[str], int | None]:
+    """The decoder's own hit for the decode leg just answered, and how its
+    counters break the rule of its role (:func:`decoder_problems`). Its own
+    hit is counted when the request is admitted; a transfer, once its KV
+    arrived: both before the response, but exported after the engine step,
+    so they are polled for."""
+    if before.get(NIXL_TRANSFERS) is None or before.get(PREFIX_HITS) is None:
+        return [f"the decoder exports no {NIXL_TRANSFERS} or {PREFIX_HITS}"], None
+    if decoder.spec.prefix_caching:
+        seen = before[PREFIX_QUERIES] or 0.0
+        poll_counter(decoder, PREFIX_QUERIES, lambda v: v >= seen + prompt_len)
+    now = read_counters(decoder)
+    local_hit = (now[PREFIX_HITS] or 0.0) - before[PREFIX_HITS]
+    if prompt_len - PD_PREFILL_BACKOFF - local_hit > 0:
+        # A transfer is due: wait for it to be exported.
+        transfers = before[NIXL_TRANSFERS]
+        now[NIXL_TRANSFERS] = poll_counter(
+            decoder, NIXL_TRANSFERS, lambda v: v > transfers
+        )
+    moved = (now[NIXL_TRANSFERS] or 0.0) - before[NIXL_TRANSFERS]
+    found = decoder_problems(prompt_len, local_hit, moved, prefill.cached_tokens)
+    return found, int(local_hit)
 
 
 @dataclass

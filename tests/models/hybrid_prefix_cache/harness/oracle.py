@@ -157,6 +157,9 @@ class Sample:
     prompt_tokens: int
     cached_tokens: int
     kv_transfer_params: dict | None = None
+    # Under P/D, the decoder's own prefix-cache hit for its leg (its
+    # prefix_cache_hits delta), where the harness read it.
+    decoder_hit: int | None = None
 
     def as_tokens_text_logprobs(self) -> tuple:
         return (self.token_ids, self.text, self.top_logprobs)

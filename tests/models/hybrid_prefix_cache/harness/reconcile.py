@@ -79,6 +79,41 @@ def ledger_entry(
     return Ledger(1, prompt_tokens, cached_tokens, queries, held)
 
 
+def decoder_problems(
+    prompt_len: int, local_hit: float, transfers: float, prefiller_hit: int
+) -> list[str]:
+    """Every way a P/D decoder's counters for one decode leg break the rule
+    of its role, given its own prefix-cache hit (``local_hit``, its
+    prefix_cache_hits delta) and its NIXL transfers (``transfers``):
+
+    * it pulls from the prefiller what its own cache does not hold, the
+      prompt less PD_PREFILL_BACKOFF less its local hit, and only if that
+      is more than nothing (distributed/kv_transfer/kv_connector/v1/nixl/
+      pull_scheduler.py NixlPullScheduler.get_num_new_matched_tokens, with
+      base_scheduler.py _get_remote_prefill_token_count): one transfer if
+      so, none if its own cache holds all of it;
+    * its own hit lies within what it loads: it never exceeds that prompt.
+    """
+    pulled = prompt_len - PD_PREFILL_BACKOFF
+    problems = []
+    if local_hit > pulled:
+        problems.append(
+            f"the decoder's own cache hit {local_hit:g} tokens, beyond the "
+            f"{pulled} it loads of the {prompt_len}-token prompt"
+        )
+    expected = 1 if pulled - local_hit > 0 else 0
+    if transfers != expected:
+        why = (
+            f"its own cache hit {local_hit:g} of the {pulled} tokens it loads"
+            f" (the prefiller hit {prefiller_hit})"
+        )
+        problems.append(
+            f"the decoder's {NIXL_TRANSFERS} moved by {transfers:g}, expected "
+            f"{expected}: {why}"
+        )
+    return problems
+
+
 def counter_problems(
     name: str,
     moved: Mapping[str, float | None],

@@ -166,6 +166,7 @@ class CaseRecord:
                     "expected": t.expected,
                     "bound": t.bound,
                     "cached": t.output.cached_tokens if t.output else None,
+                    "decoder_cached": t.output.decoder_hit if t.output else None,
                     "max_logprob_diff": t.max_logprob_diff,
                     "divergence": (
                         first_divergence(t.output, t.recompute)

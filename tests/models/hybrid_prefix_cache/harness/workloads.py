@@ -72,10 +72,13 @@ WORKLOADS = {
         Workload(
             "pd-resend",
             "an exact resend under P/D hits its own checkpoint on the "
-            "prefiller and is answered",
+            "prefiller and is answered, and the decoder's counters follow the "
+            "rule for its role",
             "distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py "
             "(the truncation in on_new_request), v1/kv_cache_interface.py "
-            "get_mamba_prefill_checkpoint_position",
+            "get_mamba_prefill_checkpoint_position, nixl/pull_scheduler.py "
+            "NixlPullScheduler.get_num_new_matched_tokens (the decoder pulls "
+            "what its own cache does not hold)",
         ),
         Workload(
             "async",
