@@ -847,6 +847,8 @@ def test_overlap_problems_bound_the_steps_before_the_retrys():
 
 def test_decoder_transfers_what_its_own_cache_does_not_hold():
     # The decoder loads 768 of a 769-token prompt (PD_PREFILL_BACKOFF 1).
+    assert harness.decoder_pulls(769, 512) == 256
+    assert harness.decoder_pulls(769, 768) == 0
     assert harness.decoder_problems(769, 0, 1, 0) == []
     assert harness.decoder_problems(769, 512, 1, 512) == []
     assert harness.decoder_problems(769, 768, 0, 512) == []

@@ -212,6 +212,7 @@ from tests.models.hybrid_prefix_cache.harness.reconcile import (  # noqa: F401
     Ledger,
     counter_problems,
     decoder_problems,
+    decoder_pulls,
     expected_requests,
     ledger_entry,
 )

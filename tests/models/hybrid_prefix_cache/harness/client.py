@@ -14,10 +14,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.models.hybrid_prefix_cache.harness.clock import phase
-from tests.models.hybrid_prefix_cache.harness.deployment import (
-    PD_PREFILL_BACKOFF,
-    Mode,
-)
+from tests.models.hybrid_prefix_cache.harness.deployment import Mode
 from tests.models.hybrid_prefix_cache.harness.oracle import NUM_LOGPROBS, Sample, Turn
 from tests.models.hybrid_prefix_cache.harness.reconcile import (
     EXTERNAL_HITS,
@@ -31,6 +28,7 @@ from tests.models.hybrid_prefix_cache.harness.reconcile import (
     Ledger,
     counter_deltas,
     decoder_problems,
+    decoder_pulls,
     drafter_problems,
     expected_requests,
     ledger_entry,
@@ -286,7 +284,7 @@ def _decoder_leg(
         poll_counter(decoder, PREFIX_QUERIES, lambda v: v >= seen + prompt_len)
     now = read_counters(decoder)
     local_hit = (now[PREFIX_HITS] or 0.0) - before[PREFIX_HITS]
-    if prompt_len - PD_PREFILL_BACKOFF - local_hit > 0:
+    if decoder_pulls(prompt_len, local_hit):
         # A transfer is due: wait for it to be exported.
         transfers = before[NIXL_TRANSFERS]
         now[NIXL_TRANSFERS] = poll_counter(

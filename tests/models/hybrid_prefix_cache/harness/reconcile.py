@@ -79,6 +79,15 @@ def ledger_entry(
     return Ledger(1, prompt_tokens, cached_tokens, queries, held)
 
 
+def decoder_pulls(prompt_len: int, local_hit: float) -> float:
+    """The tokens a P/D decoder pulls from its prefiller: the prompt less
+    PD_PREFILL_BACKOFF (which it computes itself) less its own hit
+    (distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py
+    NixlPullScheduler.get_num_new_matched_tokens, with base_scheduler.py
+    _get_remote_prefill_token_count); nothing if that is not positive."""
+    return max(prompt_len - PD_PREFILL_BACKOFF - local_hit, 0)
+
+
 def decoder_problems(
     prompt_len: int, local_hit: float, transfers: float, prefiller_hit: int
 ) -> list[str]:
@@ -86,12 +95,9 @@ def decoder_problems(
     of its role, given its own prefix-cache hit (``local_hit``, its
     prefix_cache_hits delta) and its NIXL transfers (``transfers``):
 
-    * it pulls from the prefiller what its own cache does not hold, the
-      prompt less PD_PREFILL_BACKOFF less its local hit, and only if that
-      is more than nothing (distributed/kv_transfer/kv_connector/v1/nixl/
-      pull_scheduler.py NixlPullScheduler.get_num_new_matched_tokens, with
-      base_scheduler.py _get_remote_prefill_token_count): one transfer if
-      so, none if its own cache holds all of it;
+    * it pulls from the prefiller what its own cache does not hold
+      (:func:`decoder_pulls`): one transfer if that is anything, none if
+      its own cache holds all of it;
     * its own hit lies within what it loads: it never exceeds that prompt.
     """
     pulled = prompt_len - PD_PREFILL_BACKOFF
@@ -101,7 +107,7 @@ def decoder_problems(
             f"the decoder's own cache hit {local_hit:g} tokens, beyond the "
             f"{pulled} it loads of the {prompt_len}-token prompt"
         )
-    expected = 1 if pulled - local_hit > 0 else 0
+    expected = 1 if decoder_pulls(prompt_len, local_hit) else 0
     if transfers != expected:
         why = (
             f"its own cache hit {local_hit:g} of the {pulled} tokens it loads"

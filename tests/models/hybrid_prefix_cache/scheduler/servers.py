@@ -220,14 +220,17 @@ class ReplayServer:
         kv_transfer_params: Mapping | None = None,
     ) -> Completion:
         completion = self.submit(prompt, salt, max_tokens, kv_transfer_params)
-        for _ in range(STEP_LIMIT):
-            if completion.finished:
-                break
-            assert self.step(), f"{completion.request_id} stalled"
-        else:
-            raise AssertionError(self.stalled(completion))
+        self.finish(completion)
         self.settle(completion, kv_transfer_params)
         return completion
+
+    def finish(self, completion: Completion) -> None:
+        """Step until ``completion`` finished (STEP_LIMIT steps at most)."""
+        for _ in range(STEP_LIMIT):
+            if completion.finished:
+                return
+            assert self.step(), f"{completion.request_id} stalled"
+        raise AssertionError(self.stalled(completion))
 
     def stalled(self, completion: Completion) -> str:
         """Why ``completion`` did not finish within STEP_LIMIT steps: what
