@@ -203,18 +203,27 @@ def complete(
     )
 
 
-def poll_counter(
+def poll_counters(
     server: Server, name: str, done: Callable[[float], bool]
-) -> float | None:
-    """Read counter ``name`` until ``done(value)`` or the settle time ends;
-    the last value read (None if the server does not export it)."""
+) -> dict[str, float | None]:
+    """Read the counters until ``done`` holds for counter ``name`` or the
+    settle time ends; the last counters read (``name`` None if the server
+    does not export it)."""
     deadline = time.monotonic() + METRICS_SETTLE_SECONDS
     with phase("metrics"):
         while True:
-            value = read_counters(server)[name]
+            counters = read_counters(server)
+            value = counters[name]
             if value is None or done(value) or time.monotonic() > deadline:
-                return value
+                return counters
             time.sleep(METRICS_POLL_INTERVAL)
+
+
+def poll_counter(
+    server: Server, name: str, done: Callable[[float], bool]
+) -> float | None:
+    """:func:`poll_counters`' last value of counter ``name``."""
+    return poll_counters(server, name, done)[name]
 
 
 def send(
@@ -281,8 +290,9 @@ def _decoder_leg(
         return [f"the decoder exports no {NIXL_TRANSFERS} or {PREFIX_HITS}"], None
     if decoder.spec.prefix_caching:
         seen = before[PREFIX_QUERIES] or 0.0
-        poll_counter(decoder, PREFIX_QUERIES, lambda v: v >= seen + prompt_len)
-    now = read_counters(decoder)
+        now = poll_counters(decoder, PREFIX_QUERIES, lambda v: v >= seen + prompt_len)
+    else:
+        now = read_counters(decoder)
     local_hit = (now[PREFIX_HITS] or 0.0) - before[PREFIX_HITS]
     if decoder_pulls(prompt_len, local_hit):
         # A transfer is due: wait for it to be exported.
