@@ -731,6 +731,30 @@ def test_matrix_builds_cases_known_failures_and_params():
     assert loads.served("tp2-block-aligned") == loads.served("tp2-block")
     with pytest.raises(ValueError, match="workloads name no cell"):
         Matrix(deployments, modes, workloads={"aligned": ("dcp2-block",)})
+    # A workload with servers of its own comes after its cell's sweep, and
+    # is marked with its own servers key and the cost of their start.
+    own = Matrix(
+        deployments,
+        modes,
+        sweep=("plain-block",),
+        workloads={"small-budget": ("plain-block",), "aligned": ("plain-block",)},
+    )
+    order = list(own.cases)
+    assert order.index("plain-block-aligned") == 1
+    assert order.index("plain-block-small-budget") == order.index("plain-partial") - 1
+    assert order.index("plain-block-concurrent") < order.index(
+        "plain-block-small-budget"
+    )
+    assert own.servers_key("plain-block-small-budget") == "plain-block-small-budget"
+    assert own.servers_key("plain-block-aligned") == "plain-block"
+    marks = {p.id: p.marks[0] for p in own.params() if p.id.startswith("plain-block")}
+    assert marks["plain-block-small-budget"].args == ("plain-block-small-budget",)
+    assert marks["plain-block-small-budget"].kwargs["seconds"] == case_seconds(
+        1, CASE_TURNS, True
+    )
+    assert marks["plain-block-aligned"].kwargs["seconds"] == case_seconds(
+        1, CASE_TURNS, False
+    )
     params = {
         p.id: p
         for p in matrix.params(
@@ -871,6 +895,61 @@ def test_abort_length_spans_two_steps():
     assert harness.abort_length(units, 2048) > 2048 + 256
     assert harness.abort_length(units, 128) > 3 * 256
     assert harness.small_budgets(units) == (128, 384)
+
+
+def test_small_budget_servers_and_branch():
+    units = harness.Units(block=256, hit=64)
+    assert harness.served_budget(units) == 384
+    assert harness.small_budget_args(units) == (
+        "--max-num-batched-tokens",
+        "384",
+        "--prefix-cache-retention-interval",
+        "256",
+    )
+    # The branch shares two and a half blocks and resumes at the block.
+    assert harness.branch_lengths(units) == (640, 677)
+    assert harness.branch_checkpoint(640, units, False) == 512
+    assert harness.branch_checkpoint(640, units, True) == 448
+    plain = Deployment(decode=Instance(serve_args=("-O0",)))
+    served = harness.with_serve_args(plain, ("--a", "1"))
+    assert served.decode.serve_args == ("-O0", "--a", "1")
+    assert served.prefill is None and plain.decode.serve_args == ("-O0",)
+    pd = Deployment(prefill=Instance(), decode=Instance())
+    served = harness.with_serve_args(pd, ("--b",))
+    assert served.prefill.serve_args == served.decode.serve_args == ("--b",)
+
+
+def _budget_turn(index: int, hit: Sample, recompute: Sample) -> Turn:
+    return Turn("", index, 805, 0, 0, output=hit, recompute=recompute, prompt=[index])
+
+
+def test_budget_problems_hold_turns_to_the_default():
+    def sample(cached: int, shift: float = 0.0) -> Sample:
+        return Sample([1, 2], "", [-1.0 + shift, -2.0], [{}, {}], 805, cached)
+
+    defaults = [_budget_turn(0, sample(0), sample(0))]
+    defaults.append(_budget_turn(1, sample(768), sample(0)))
+    # Equal hits and outputs, and recomputes 1e-3 apart: a tolerance of 4e-3.
+    small = [_budget_turn(0, sample(0), sample(0, 1e-3))]
+    small.append(_budget_turn(1, sample(768, 3e-3), sample(0)))
+    noise = harness.budget_problems(small, defaults, 384, 0.0)
+    assert noise is not None and noise.pairs == 2
+    assert noise.tolerance == pytest.approx(4e-3)
+    assert not [p for turn in small for p in turn.problems]
+    # Another hit, an output beyond the noise, another prompt.
+    small = [_budget_turn(0, sample(0), sample(0, 1e-3))]
+    small.append(_budget_turn(1, sample(512, 9e-3), sample(0)))
+    harness.budget_problems(small, defaults, 384, 0.0)
+    (hit, apart) = small[1].problems
+    assert "cached 512 under a budget of 384, 768 under the default" in hit
+    assert "differs from the same hit under the default budget" in apart
+    small = [
+        _budget_turn(0, sample(0), sample(0)),
+        _budget_turn(1, sample(768), sample(0)),
+    ]
+    small[1].prompt = [7]
+    harness.budget_problems(small, defaults, 384, 0.0)
+    assert "its prompt is not the default budget's" in small[1].problems[0]
 
 
 def test_every_workload_says_its_property_and_rule():

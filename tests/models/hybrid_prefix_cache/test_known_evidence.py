@@ -23,6 +23,7 @@ from tests.models.hybrid_prefix_cache.harness import (
     expect_known,
 )
 from tests.models.hybrid_prefix_cache.test_paths import (
+    branch_apart_turn,
     lost_checkpoint_turn,
     lost_resend_turn,
     pd_transfer_apart_turn,
@@ -82,6 +83,13 @@ RECORD_FAILURES |= {
     # Turn 1 restored 704 tokens and sat 0.00285 from its cold twin.
     ("pd-partial-aligned", (256, 64)): lambda: restored_apart_turn(
         "exact", 1, 768, 1545, 64, 0.00285, block=256, pd=True
+    ),
+    # The small-budget cases' branch, 0.205 and 0.173 from its recompute.
+    ("plain-block-small-budget", (256, 256)): lambda: branch_apart_turn(
+        Units(block=256, hit=256), 0.205
+    ),
+    ("plain-partial-small-budget", (256, 64)): lambda: branch_apart_turn(
+        Units(block=256, hit=64), 0.173
     ),
     # The third sibling's cold twin, a token apart from the recompute.
     ("pd-block-shared-prefix", (256, 256)): lambda: pd_transfer_apart_turn(

@@ -14,6 +14,8 @@ from tests.models.hybrid_prefix_cache.harness import (
     Sample,
     Turn,
     Units,
+    branch_checkpoint,
+    branch_lengths,
     check_paths,
     check_turn,
     expected_cached,
@@ -148,6 +150,27 @@ def restored_apart_turn(
         **twin,
     )
     check_turn(played, Units(block=block or unit, hit=unit), 0.0)
+    return played
+
+
+def branch_apart_turn(units: Units, gap: float) -> Turn:
+    """A small-budget case's branch that resumed at its block checkpoint
+    (harness.branch_checkpoint) and whose logprobs sit ``gap`` from its
+    recompute on the same server; checked by the oracle."""
+    shared, length = branch_lengths(units)
+    cached = branch_checkpoint(shared, units, False)
+    hit = sample(gap, cached=cached, prompt_len=length)
+    played = turn(
+        0,
+        shared,
+        length,
+        units.hit,
+        hit,
+        sample(prompt_len=length),
+        conversation="branch",
+    )
+    played.expected = cached
+    check_turn(played, units, 0.0)
     return played
 
 

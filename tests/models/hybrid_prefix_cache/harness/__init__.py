@@ -100,6 +100,7 @@ from tests.models.hybrid_prefix_cache.harness.cases import (  # noqa: F401
     run_case,
     run_resend,
     run_siblings,
+    run_small_budget,
     run_workload,
     serve_case,
 )
@@ -156,6 +157,7 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (  # noqa: F401
     multi_connector,
     select_known,
     server_args,
+    with_serve_args,
 )
 from tests.models.hybrid_prefix_cache.harness.matrix import (  # noqa: F401
     CASE_TURNS,
@@ -238,6 +240,7 @@ from tests.models.hybrid_prefix_cache.harness.servers import (  # noqa: F401
     wait_healthy,
 )
 from tests.models.hybrid_prefix_cache.harness.workloads import (  # noqa: F401
+    BRANCH_SHARED_BLOCKS,
     EVICTION_POOL_REQUESTS,
     EVICTION_PRESSURE_REQUESTS,
     NUM_SIBLINGS,
@@ -245,11 +248,16 @@ from tests.models.hybrid_prefix_cache.harness.workloads import (  # noqa: F401
     Workload,
     abort_length,
     abort_problems,
+    branch_checkpoint,
+    branch_lengths,
+    budget_problems,
     eviction_problems,
     junction_checkpoint,
     overlap_problems,
+    served_budget,
     shared_prefix_length,
     sibling_tail_length,
+    small_budget_args,
     small_budgets,
 )
 

@@ -37,6 +37,7 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (
     Mode,
     Units,
     select_known,
+    with_serve_args,
 )
 from tests.models.hybrid_prefix_cache.harness.oracle import (
     NUM_TURNS,
@@ -49,9 +50,14 @@ from tests.models.hybrid_prefix_cache.harness.servers import ServerPool
 from tests.models.hybrid_prefix_cache.harness.workloads import (
     NUM_SIBLINGS,
     WORKLOADS,
+    branch_checkpoint,
+    branch_lengths,
+    budget_problems,
     junction_checkpoint,
+    served_budget,
     shared_prefix_length,
     sibling_tail_length,
+    small_budget_args,
 )
 
 # What the session's summary calls a case that failed as its table says.
@@ -352,6 +358,77 @@ def run_siblings(
     return record
 
 
+def run_small_budget(
+    suite: Suite,
+    case_id: str,
+    binding: Binding,
+    deployment: Deployment,
+    mode: Mode,
+    default_id: str,
+) -> CaseRecord:
+    """The reference conversation of the cell whose reference case is
+    ``default_id``, played on servers of its own that schedule at most
+    :func:`served_budget` tokens a step and retain the states their chunks
+    write a block apart (:func:`small_budget_args`, of the units the cell's
+    servers reported), and held turn by turn to that case's record (the same
+    prompts, under the default budget): the same hits, and outputs within
+    the noise of the two budgets' cold recomputes (:func:`budget_problems`).
+    Then a branch off its first prompt must resume at the block boundary
+    that the small budget's chunks wrote (:func:`branch_checkpoint`). Each
+    turn is also checked as any turn is, against its recompute on its own
+    servers. The default case is this session's record of it, or is
+    played here first; a failure names the workload's property."""
+    __tracebackhide__ = True
+    default = next(
+        (r for r in reversed(suite.records) if r.case_id == default_id and r.turns),
+        None,
+    )
+    if default is None:
+        default = run_case(suite, default_id, binding, deployment, mode)
+    assert default.units is not None
+    budget = served_budget(default.units)
+    served = with_serve_args(deployment, small_budget_args(default.units))
+    with (
+        reported_case(case_id, suite.records) as record,
+        serve_case(record, binding, served, mode, suite.pool) as play,
+    ):
+        if not default.ok:
+            record.problems.append(
+                f"the default budget's case {default_id} failed, so nothing here "
+                f"compares with it: {default.failures()[0]}"
+            )
+        if play.units != default.units:
+            record.problems.append(
+                f"a budget of {budget} resolves {play.units}, the default "
+                f"{default.units}"
+            )
+        # The default case's seed: the same prompts, as long as each turn's
+        # output is the same.
+        conversation = reference_conversation(play.units, default_id)
+        run_conversations(play, [conversation], record.turns)
+        noise = budget_problems(
+            record.turns, default.turns, budget, binding.logprob_atol
+        )
+        play.noise = play.noise or noise
+        # A branch off the first prompt, under its salt: it resumes at a
+        # block boundary whose state only the small budget's chunks wrote.
+        first = record.turns[0]
+        shared, length = branch_lengths(play.units)
+        rng = random.Random(f"{case_id}-branch")
+        prompt = first.prompt[:shared]
+        prompt += random_tokens(rng, binding.token_ids, length - shared)
+        branch = planned_turn(play, "branch", PlannedTurn(0, length, shared))
+        branch.expected = branch_checkpoint(shared, play.units, mode.drops_unit)
+        record.turns.append(branch)
+        play_turn(play, branch, prompt, first.salt)
+        if not record.ok:
+            record.problems.append(
+                f"small-budget: {WORKLOADS['small-budget'].holds} (a budget of "
+                f"{budget} tokens a step against the default of {default_id})"
+            )
+    return record
+
+
 def run_workload(
     suite: Suite,
     case_id: str,
@@ -365,7 +442,9 @@ def run_workload(
 ) -> CaseRecord:
     """A matrix's workload case on its cell's servers (Matrix.workloads):
     the siblings of a shared prefix (:func:`run_siblings`), an exact P/D
-    resend (:func:`run_resend` of :func:`pd_resend_length`), or a
+    resend (:func:`run_resend` of :func:`pd_resend_length`), the cell's
+    reference conversation under a small prefill budget, on servers of its
+    own (:func:`run_small_budget`), or a
     conversation of ``num_turns`` growing turns and (``resend``) a resend
     from a first prompt that ends on a block (the sweep's "exact" shape,
     :func:`run_case`). A listed case xfails, skips or fails here as in
@@ -386,6 +465,11 @@ def run_workload(
     with expect_known(case_id, known) as run:
         if workload == "shared-prefix":
             run.record = run_siblings(suite, case_id, binding, deployment, mode)
+        elif workload == "small-budget":
+            cell = case_id.removesuffix(f"-{workload}")
+            run.record = run_small_budget(
+                suite, case_id, binding, deployment, mode, cell
+            )
         elif workload == "pd-resend":
             run.record = run_resend(
                 suite, case_id, binding, deployment, mode, pd_resend_length, workload

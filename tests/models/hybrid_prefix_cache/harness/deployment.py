@@ -8,7 +8,7 @@ geometry a server reports (:class:`Units`), and the known-failure entries
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from math import lcm
 
 from tests.models.hybrid_prefix_cache.harness import drafting
@@ -164,6 +164,17 @@ class Deployment:
         differently sharded (and, with dummy weights, different) weights.
         """
         return self.prefill is None or self.prefill.tp == self.decode.tp
+
+
+def with_serve_args(deployment: Deployment, args: Sequence[str]) -> Deployment:
+    """``deployment`` with ``args`` added to the ``vllm serve`` arguments of
+    each of its instances (a workload that needs servers of its own)."""
+
+    def extend(instance: Instance) -> Instance:
+        return replace(instance, serve_args=(*instance.serve_args, *args))
+
+    prefill = None if deployment.prefill is None else extend(deployment.prefill)
+    return replace(deployment, decode=extend(deployment.decode), prefill=prefill)
 
 
 def device_ranges(deployment: Deployment) -> list[range]:

@@ -23,6 +23,7 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (
     select_known,
 )
 from tests.models.hybrid_prefix_cache.harness.oracle import NUM_TURNS
+from tests.models.hybrid_prefix_cache.harness.workloads import WORKLOADS
 
 # Tests marked with the same key need the same servers; the plugin puts
 # them next to each other so that the server pool can reuse them.
@@ -153,7 +154,9 @@ class Matrix:
     entries of its own takes its cell's), the ``sweep`` cells that also
     run every sweep shape alone and all of them at once, and the cells that
     also run each workload (``workloads``: a workload of harness.WORKLOADS
-    to its cells), on the cell's servers; a workload played as a
+    to its cells), on the cell's servers, or after the cell's other cases on
+    servers of their own where the workload needs them
+    (``Workload.own_servers``, :meth:`servers_key`); a workload played as a
     conversation plays ``workload_turns`` growing turns and no resend where
     given (fewer than a cell's, to cost less than the servers' start).
 
@@ -184,32 +187,49 @@ class Matrix:
         if set(self.workload_turns) - set(self.workloads):
             raise ValueError("workload_turns names a workload the matrix does not run")
 
+    def _workload_cases(self, cell: Case, own_servers: bool) -> list[Case]:
+        """The workload cases of ``cell`` that run on its servers, or
+        (``own_servers``) on servers of their own."""
+        cases = []
+        for workload, cells in self.workloads.items():
+            if cell.cell not in cells:
+                continue
+            if WORKLOADS[workload].own_servers != own_servers:
+                continue
+            case = Case(cell.deployment, cell.mode, workload=workload)
+            turns = self.workload_turns.get(workload)
+            if turns is not None:
+                case = replace(case, num_turns=turns, resend=False)
+            cases.append(case)
+        return cases
+
     def _build(self) -> dict[str, Case]:
         """Every case, in an order that lets consecutive cases share their
-        servers: each cell, then its sweep."""
+        servers: each cell, its workloads and its sweep, then the workloads
+        that start servers of their own."""
         cases = {}
         for deployment in self.deployments:
             for mode_name, mode in self.modes.items():
                 cell = Case(deployment, mode_name)
-                cases[cell.case_id] = cell
-                for workload, cells in self.workloads.items():
-                    if cell.cell in cells:
-                        turns = self.workload_turns.get(workload)
-                        case = Case(deployment, mode_name, workload=workload)
-                        if turns is not None:
-                            case = replace(case, num_turns=turns, resend=False)
-                        cases[case.case_id] = case
-                if cell.cell not in self.sweep:
-                    continue
-                for shape, (inblock, _) in SHAPES.items():
-                    # A boundary inside a block needs a unit below the block.
-                    if inblock and mode.prefix_match_unit is None:
-                        continue
-                    case = Case(deployment, mode_name, shape)
-                    cases[case.case_id] = case
-                case = Case(deployment, mode_name, concurrent=True)
-                cases[case.case_id] = case
+                cell_cases = [cell, *self._workload_cases(cell, False)]
+                if cell.cell in self.sweep:
+                    for shape, (inblock, _) in SHAPES.items():
+                        # A boundary inside a block needs a unit below the
+                        # block.
+                        if not inblock or mode.prefix_match_unit is not None:
+                            cell_cases.append(Case(deployment, mode_name, shape))
+                    cell_cases.append(Case(deployment, mode_name, concurrent=True))
+                cell_cases += self._workload_cases(cell, True)
+                cases.update((case.case_id, case) for case in cell_cases)
         return cases
+
+    def servers_key(self, case_id: str) -> str:
+        """What the case's servers are known by: its cell's, or its own for
+        a workload that starts servers of its own."""
+        case = self.cases[case_id]
+        if case.workload is not None and WORKLOADS[case.workload].own_servers:
+            return case.case_id
+        return case.cell
 
     def served(self, case_id: str) -> tuple[Deployment, Mode]:
         case = self.cases[case_id]
@@ -249,10 +269,13 @@ class Matrix:
         params = []
         for case_id, case in self.cases.items():
             deployment = self.deployments[case.deployment]
-            # The cell's first case starts its servers; its sweep reuses them.
-            start = case.case_id == case.cell
+            # The cell's first case starts its servers, and its sweep and
+            # workloads reuse them; a workload with servers of its own
+            # starts those.
+            key = self.servers_key(case_id)
+            start = case.case_id in (case.cell, key)
             seconds = case_seconds(len(deployment.instances), case.turns, start)
-            marks = [servers_mark(case.cell, seconds)]
+            marks = [servers_mark(key, seconds)]
             devices = deployment.num_devices
             if device_marks is not None and devices > 1:
                 marks += device_marks(devices)

@@ -5,12 +5,17 @@ the growing conversation: each one's stable id, the property it holds, the
 vLLM code its expectation is read from, and the pure arithmetic of that
 expectation. Pure: no server, no clock, no vLLM import."""
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tests.models.hybrid_prefix_cache.harness.deployment import Units
 from tests.models.hybrid_prefix_cache.harness.oracle import (
     FIRST_PROMPT_BLOCKS,
     FIRST_PROMPT_TAIL,
+    PathNoise,
+    Turn,
+    compare,
+    logprob_gap,
     prompt_end_checkpoint,
 )
 
@@ -23,6 +28,10 @@ class Workload:
     name: str
     holds: str
     rule: str
+    # On real servers, whether it needs servers of its own, started with
+    # other arguments than its cell's (then its case starts them, after the
+    # cell's other cases have used the cell's).
+    own_servers: bool = False
 
 
 WORKLOADS = {
@@ -62,6 +71,7 @@ WORKLOADS = {
             "default budget",
             "v1/core/sched/scheduler.py Scheduler._mamba_block_aligned_split "
             "(every chunk ends at or before last_cache_position)",
+            own_servers=True,
         ),
         Workload(
             "aligned",
@@ -196,6 +206,114 @@ def small_budgets(units: Units) -> tuple[int, ...]:
     """Prefill budgets below the default: half a block (chunks end inside
     blocks) and a block and a half (every chunk is cut back to a block)."""
     return (units.block // 2, units.block + units.block // 2)
+
+
+def served_budget(units: Units) -> int:
+    """The prefill budget of a real server's small-budget case: a block and
+    a half, the budget of :func:`small_budgets` whose chunks the scheduler
+    cuts back to a block (Scheduler._mamba_block_aligned_split: a chunk that
+    does not end the prefill ends on a block, where the worker writes the
+    state that the block's hash will name)."""
+    return small_budgets(units)[-1]
+
+
+# A branch off the small-budget conversation's first prompt: it shares this
+# many blocks of it, then its own text.
+BRANCH_SHARED_BLOCKS = 2.5
+
+
+def branch_lengths(units: Units) -> tuple[int, int]:
+    """The branch's shared prefix (two and a half blocks: it ends inside a
+    block, short of the first prompt's own checkpoint) and its length (the
+    reference tail past that)."""
+    shared = int(BRANCH_SHARED_BLOCKS * units.block)
+    return shared, shared + FIRST_PROMPT_TAIL
+
+
+def branch_checkpoint(shared: int, units: Units, drops_unit: bool) -> int:
+    """Where a branch off a prompt prefilled under :func:`served_budget`
+    resumes: the last block boundary it shares with that prompt (less the
+    drafter's unit), a state that the default budget never writes.
+
+    Under that budget every chunk of the prompt ends on the next block
+    (Scheduler._mamba_block_aligned_split cuts a chunk that does not end the
+    prefill back to a block, and a budget under two blocks reaches only the
+    next one), the worker writes the recurrent state at each chunk's end
+    into that block, and with a retention interval of a block
+    (:func:`small_budget_args`) MambaManager.cache_blocks names each such
+    block by its hash; so each block boundary of the prompt holds its own
+    state. vLLM #51113 named a block by a state written short of it."""
+    checkpoint = shared // units.block * units.block
+    return max(checkpoint - (units.hit if drops_unit else 0), 0)
+
+
+def small_budget_args(units: Units) -> tuple[str, ...]:
+    """The ``vllm serve`` arguments of a small-budget case's servers: a
+    prefill budget of :func:`served_budget` tokens a step, and the recurrent
+    states that its chunks write at block boundaries retained a block apart
+    (config/cache.py prefix_cache_retention_interval: 0, the default, keeps
+    only the prompts' own checkpoints), where a branch can resume from them
+    (:func:`branch_checkpoint`)."""
+    return (
+        "--max-num-batched-tokens",
+        str(served_budget(units)),
+        "--prefix-cache-retention-interval",
+        str(units.block),
+    )
+
+
+def budget_problems(
+    turns: Sequence[Turn],
+    defaults: Sequence[Turn],
+    budget: int,
+    logprob_atol: float | None,
+) -> PathNoise | None:
+    """Hold each turn played under a prefill budget of ``budget`` tokens
+    (``turns``) to the same turn of the same conversation played under the
+    default budget (``defaults``, on the cell's own servers): the same
+    prompt, the same hit, and a hit's output within the noise that the two
+    budgets' cold recomputes of each prompt show (their chunks take other
+    numerical paths). Appends to each turn's problems; returns that noise
+    (None where no turn has both recomputes)."""
+    pairs = [
+        (turn.recompute, default.recompute)
+        for turn, default in zip(turns, defaults)
+        if turn.recompute is not None and default.recompute is not None
+    ]
+    if len(turns) != len(defaults):
+        turns[-1].problems.append(
+            f"{len(turns)} turns under a budget of {budget}, {len(defaults)} "
+            f"under the default"
+        )
+    noise = None
+    if pairs:
+        noise = PathNoise(max(logprob_gap(a, b)[0] for a, b in pairs), len(pairs))
+    tolerance = None
+    if logprob_atol is not None and noise is not None:
+        tolerance = max(logprob_atol, noise.tolerance)
+    names = (f"hit at budget {budget}", "hit at the default budget")
+    for turn, default in zip(turns, defaults):
+        if turn.prompt != default.prompt:
+            turn.problems.append(
+                f"{turn.name}: its prompt is not the default budget's (an "
+                f"earlier output parted from it)"
+            )
+            continue
+        if turn.restored != default.restored:
+            turn.problems.append(
+                f"{turn.name}: cached {turn.restored} under a budget of {budget}, "
+                f"{default.restored} under the default"
+            )
+        if turn.output is None or default.output is None:
+            continue
+        why = compare(turn, turn.output, default.output, names, tolerance, False)
+        if why:
+            turn.problems.append(
+                f"{turn.name}: the hit, {turn.restored} tokens restored, differs "
+                f"from the same hit under the default budget, {why} ({noise}, "
+                f"the two budgets' cold recomputes)"
+            )
+    return noise
 
 
 # Eviction: the pool holds at least this many times the blocks one request
