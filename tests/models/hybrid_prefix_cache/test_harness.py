@@ -952,6 +952,23 @@ def test_budget_problems_hold_turns_to_the_default():
     assert "its prompt is not the default budget's" in small[1].problems[0]
 
 
+def test_a_known_bug_stops_its_case_once_its_evidence_shows():
+    bug = Known("xfail", "a bug", evidence="turn 1: cached 0", in_record=True)
+    record = CaseRecord("plain-block-exact")
+    seen = harness.evidence_seen(bug, record)
+    turns = [Turn("exact", 0, 768, 0, 0), Turn("exact", 1, 1545, 768, 512)]
+    assert seen is not None and not seen(turns)
+    turns[1].problems.append("exact turn 1: cached 0 < expected checkpoint 512")
+    assert seen(turns)
+    assert "stopped after exact turn 1" in record.notices[0]
+    # A crash, a refusal, no entry: every turn is played.
+    crash = Known("xfail", "a crash", evidence="Traceback")
+    assert harness.evidence_seen(crash, record) is None
+    refusal = Known("unsupported", "refused", evidence="x", in_record=True)
+    assert harness.evidence_seen(refusal, record) is None
+    assert harness.evidence_seen(None, record) is None
+
+
 def test_every_workload_says_its_property_and_rule():
     assert set(harness.WORKLOADS) == {
         "shared-prefix",

@@ -95,6 +95,7 @@ from tests.models.hybrid_prefix_cache.harness.cases import (  # noqa: F401
     KNOWN_VERDICTS,
     KnownRun,
     Suite,
+    evidence_seen,
     expect_known,
     failure_text,
     run_case,

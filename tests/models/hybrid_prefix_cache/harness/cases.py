@@ -265,8 +265,32 @@ def run_case(
         with serve_case(record, binding, deployment, mode, suite.pool) as play:
             conversations = _conversations(case_id, play, shapes, num_turns, resend)
             play.batched = concurrent
+            play.stop = evidence_seen(select_known(known, record.units), record)
             run_conversations(play, conversations, record.turns)
     return record
+
+
+def evidence_seen(
+    entry: Known | None, record: CaseRecord
+) -> Callable[[Sequence[Turn]], bool] | None:
+    """Where a known bug's evidence is a turn's problem (``in_record``),
+    when the turns played so far show it: the case is confirmed, and its
+    later turns would change nothing of its verdict (a strict XPASS still
+    needs every turn played, and plays them, since the evidence never
+    shows). Says so in the record's notices."""
+    if entry is None or entry.kind != "xfail" or not entry.in_record:
+        return None
+
+    def seen(turns: Sequence[Turn]) -> bool:
+        if not any(entry.evidence in p for turn in turns for p in turn.problems):
+            return False
+        record.notices.append(
+            f"stopped after {turns[-1].name}: the known failure's evidence "
+            f"showed ({entry.evidence!r})"
+        )
+        return True
+
+    return seen
 
 
 def run_resend(

@@ -96,7 +96,8 @@ class Play:
     ``logprob_atol`` holds a hit to the request on its own path (None:
     check_logprobs_close alone); ``batched`` plays turns at once, each hit
     then held to its batched cold twin within the case's path noise
-    (``noise``, once measured)."""
+    (``noise``, once measured). ``stop``, if given, ends a conversation
+    before its next turn once it holds for the turns played so far."""
 
     servers: Sequence[Server]
     binding: Binding
@@ -106,6 +107,7 @@ class Play:
     logprob_atol: float | None
     batched: bool = False
     noise: PathNoise | None = None
+    stop: Callable[[Sequence[Turn]], bool] | None = None
 
     @property
     def recompute_atol(self) -> float | None:
@@ -240,6 +242,8 @@ def run_conversations(
         else:
             for args in batch:
                 play_turn(play, *args)
+        if play.stop is not None and play.stop(turns):
+            break
         for i, ((conv, rng, salt, prompt, plan), (turn, _, _)) in enumerate(
             zip(states, batch)
         ):
