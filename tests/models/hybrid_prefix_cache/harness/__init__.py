@@ -195,6 +195,7 @@ from tests.models.hybrid_prefix_cache.harness.oracle import (  # noqa: F401
     impossible_hit,
     logprob_gap,
     near_tie,
+    pairs_noise,
     path_noise,
     plan_turns,
     prompt_end_checkpoint,

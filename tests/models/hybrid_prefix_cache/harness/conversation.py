@@ -113,9 +113,9 @@ class Play:
     def recompute_atol(self) -> float | None:
         """What a hit and its recompute may differ by: ``logprob_atol``
         where both took one path, else the case's path tolerance."""
-        if self.noise is None or self.logprob_atol is None:
+        if self.noise is None:
             return self.logprob_atol
-        return max(self.logprob_atol, self.noise.tolerance)
+        return self.noise.held_to(self.logprob_atol)
 
 
 def fresh_salt(what: str) -> str:

@@ -316,6 +316,12 @@ class PathNoise:
     def tolerance(self) -> float:
         return self.margin * self.floor
 
+    def held_to(self, logprob_atol: float | None) -> float | None:
+        """What a comparison across the two paths is held to: the larger of
+        ``logprob_atol`` and this noise's tolerance (None where
+        ``logprob_atol`` is: check_logprobs_close alone)."""
+        return None if logprob_atol is None else max(logprob_atol, self.tolerance)
+
     def __str__(self) -> str:
         return (
             f"path noise {self.floor:.3g} (largest gap over {self.pairs} cold "
@@ -346,14 +352,19 @@ def cold_pairs(turn: Turn) -> list[tuple[Sample, Sample]]:
     return [] if turn.control is None else [(rec.shifted(1), turn.control)]
 
 
+def pairs_noise(pairs: Sequence[tuple[Sample, Sample]]) -> PathNoise | None:
+    """The path noise that cold control ``pairs`` show: their largest
+    sampled-logprob gap; None where there are none."""
+    if not pairs:
+        return None
+    return PathNoise(max(logprob_gap(a, b)[0] for a, b in pairs), len(pairs))
+
+
 def path_noise(turns: Sequence[Turn]) -> PathNoise | None:
     """The path noise of a case's ``turns``, measured on their cold
     controls; None where the case has none (every comparison of a request
     played alone is on one path)."""
-    pairs = [pair for turn in turns for pair in cold_pairs(turn)]
-    if not pairs:
-        return None
-    return PathNoise(max(logprob_gap(a, b)[0] for a, b in pairs), len(pairs))
+    return pairs_noise([pair for turn in turns for pair in cold_pairs(turn)])
 
 
 def compare(
@@ -505,7 +516,7 @@ def check_paths(
     noise = path_noise(turns)
     if noise is None or not compare_logprobs:
         return noise
-    tolerance = None if logprob_atol is None else max(logprob_atol, noise.tolerance)
+    tolerance = noise.held_to(logprob_atol)
     for turn in turns:
         if turn.recompute is None:
             continue  # a resend's cold first request

@@ -15,7 +15,7 @@ from tests.models.hybrid_prefix_cache.harness.oracle import (
     PathNoise,
     Turn,
     compare,
-    logprob_gap,
+    pairs_noise,
     prompt_end_checkpoint,
 )
 
@@ -285,12 +285,8 @@ def budget_problems(
             f"{len(turns)} turns under a budget of {budget}, {len(defaults)} "
             f"under the default"
         )
-    noise = None
-    if pairs:
-        noise = PathNoise(max(logprob_gap(a, b)[0] for a, b in pairs), len(pairs))
-    tolerance = None
-    if logprob_atol is not None and noise is not None:
-        tolerance = max(logprob_atol, noise.tolerance)
+    noise = pairs_noise(pairs)
+    tolerance = None if noise is None else noise.held_to(logprob_atol)
     names = (f"hit at budget {budget}", "hit at the default budget")
     for turn, default in zip(turns, defaults):
         if turn.prompt != default.prompt:
