@@ -34,8 +34,10 @@ The oracle, per turn (:func:`check_turn`):
   the binding's tolerance, 0 on CPU; across paths (a batched hit against its
   batched recompute, and under P/D the transfer check: the cold twin against
   the decoder alone), within :data:`PATH_NOISE_MARGIN` times the largest gap
-  of the case's cold controls (:func:`check_paths`), a near tie within that
-  tolerance being no failure; ``check_logprobs_close`` holds every pair;
+  of the case's cold controls (:func:`check_paths`), a parting whose chosen
+  tokens move by no more than that tolerance being a near tie, no failure
+  (:func:`near_tie`); where no tolerance is measured (GPUs),
+  ``check_logprobs_close`` decides;
 * a resend hits exactly the rule's checkpoint (:func:`expected_resend`);
 * per case, from ``/metrics``: the prefix-cache counters of every server move
   by exactly the usage its requests reported, a P/D decoder counts a NIXL
