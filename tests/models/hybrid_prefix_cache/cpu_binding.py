@@ -23,7 +23,12 @@ from tests.models.hybrid_prefix_cache.harness import (
     multi_connector,
     server_args,
 )
-from tests.models.hybrid_prefix_cache.scheduler import Geometry, cpu_engine
+from tests.models.hybrid_prefix_cache.scheduler import (
+    Geometry,
+    cpu_engine,
+    engine_args,
+    environment,
+)
 from tests.models.hybrid_prefix_cache.tiny_hybrid import TinyHybrid
 from vllm.platforms import current_platform
 
@@ -147,6 +152,19 @@ def resolved_geometry(binding: Binding, mode: Mode) -> Geometry:
     instance = DEPLOYMENTS["plain"].decode
     args = server_args(binding, instance, mode)
     return cpu_engine(binding.model, args, {**binding.env, **instance.env}).geometry
+
+
+def resolved_budget(binding: Binding, deployment: Deployment, mode: Mode) -> int:
+    """The tokens a step that the scheduler of ``deployment``'s serving
+    instance takes in ``mode``, as vLLM resolves its config in-process from
+    exactly that server's arguments and environment (the platform's default
+    where no --max-num-batched-tokens is given: engine/arg_utils.py
+    EngineArgs.get_batch_defaults)."""
+    instance = deployment.decode
+    args = server_args(binding, instance, mode)
+    with environment({**binding.env, **instance.env}):
+        config = engine_args(binding.model, args).create_engine_config()
+    return config.scheduler_config.max_num_batched_tokens
 
 
 def resolved_units(binding: Binding, mode: Mode) -> Units:

@@ -253,6 +253,9 @@ WORKLOADS = {
     "shared-prefix": _cells(("plain", "pd"), ("block", "partial")),
     "aligned": _cells(("pd",), ("block", "partial")),
     "pd-resend": _cells(("pd",), ("block", "partial")),
+    # One instance, whose default budget (2048 tokens a step) splits the
+    # prompt's prefill: tp2's is twice that, past --max-model-len.
+    "abort-retry": _cells(("plain",), ("block", "partial")),
     # Servers of its own (a prefill budget is set at start): one plain start
     # per mode.
     "small-budget": _cells(("plain",), ("block", "partial")),

@@ -21,6 +21,7 @@ from tests.models.hybrid_prefix_cache.cpu_binding import (
     CPU_ONLY,
     check_geometry,
     cpu_binding,
+    resolved_budget,
     resolved_units,
 )
 from tests.models.hybrid_prefix_cache.cpu_known import (
@@ -62,8 +63,19 @@ def test_prefix_cache(hybrid_suite: Suite, binding: Binding, case_id: str) -> No
         if entry.at_config:
             confirm_at_config(binding, case_id, entry)
     if case.workload is not None:
+        # The abort's prompt takes two prefill steps of the servers' budget.
+        budget = None
+        if case.workload == "abort-retry":
+            budget = resolved_budget(binding, deployment, mode)
         record = run_workload(
-            hybrid_suite, case_id, binding, deployment, mode, case.workload, known
+            hybrid_suite,
+            case_id,
+            binding,
+            deployment,
+            mode,
+            case.workload,
+            known,
+            budget=budget,
         )
         assert record.ok, record.explain()
         return

@@ -897,6 +897,26 @@ def test_abort_length_spans_two_steps():
     assert harness.small_budgets(units) == (128, 384)
 
 
+def test_a_real_servers_abort_lands_and_its_retry_resumes_from_the_checkpoint():
+    units = harness.Units(block=256, hit=64)
+    # The checkpoint ends the first chunk of a 2048-token budget.
+    length = harness.abort_retry_length(units, 2048)
+    assert length == 2048 + harness.FIRST_PROMPT_TAIL
+    assert harness.prompt_end_checkpoint(length, units.hit, False) == 2048
+    # The aborted request and the retry each counted at admission; only the
+    # retry's first token.
+    assert harness.abort_landing(2 * length, 1, length) == "mid-prefill"
+    assert harness.abort_landing(length, 1, length) == "before admission"
+    assert harness.abort_landing(2 * length, 2, length) == "after the prefill"
+    assert harness.abort_checkpoint("before admission", length, units, False) == 0
+    for landed in ("mid-prefill", "after the prefill", "answered"):
+        assert harness.abort_checkpoint(landed, length, units, False) == 2048
+    assert harness.abort_checkpoint("mid-prefill", length, units, True) == 1984
+    # Counted at admission, with nothing held, and no completion answered.
+    entry = harness.aborted_entry(length)
+    assert (entry.requests, entry.queries, entry.held) == (0, length, 0)
+
+
 def test_small_budget_servers_and_branch():
     units = harness.Units(block=256, hit=64)
     assert harness.served_budget(units) == 384

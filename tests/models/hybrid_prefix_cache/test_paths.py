@@ -395,9 +395,7 @@ def parting_turn(twin_top: dict, alone_top: dict) -> Turn:
         best = max(top, key=top.get)
         return Sample([11, best], "", [-0.5, top[best]], [first, top], 805, 0)
 
-    return turn(
-        0, 0, 805, 256, chose(twin_top), chose(alone_top), twin=chose(twin_top)
-    )
+    return turn(0, 0, 805, 256, chose(twin_top), chose(alone_top), twin=chose(twin_top))
 
 
 @pytest.mark.parametrize("parting", AMD_PD_PARTINGS)
@@ -408,7 +406,9 @@ def test_a_pd_parting_is_judged_by_the_measured_noise(parting):
     check_logprobs_close's fixed top-k."""
     twin_top, alone_top, tolerance = AMD_PD_PARTINGS[parting]
     t = parting_turn(twin_top, alone_top)
-    why = compare(t, t.twin, t.recompute, ("cold twin", "decoder alone"), tolerance, False)
+    why = compare(
+        t, t.twin, t.recompute, ("cold twin", "decoder alone"), tolerance, False
+    )
     if parting == "within":
         assert why == "" and any("near tie" in n for n in t.notices)
     else:

@@ -6,6 +6,7 @@ a known-failure entry (:func:`expect_known`)."""
 
 import contextlib
 import random
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -14,7 +15,10 @@ import pytest
 from tests.models.hybrid_prefix_cache.harness.client import (
     cache_config,
     close_window,
+    give_up,
     open_window,
+    poll_counters,
+    read_counters,
     send,
 )
 from tests.models.hybrid_prefix_cache.harness.conversation import (
@@ -25,8 +29,10 @@ from tests.models.hybrid_prefix_cache.harness.conversation import (
     planned_turn,
     play_turn,
     random_tokens,
+    recompute_turn,
     reference_conversation,
     run_conversations,
+    send_turn,
     shape_length,
 )
 from tests.models.hybrid_prefix_cache.harness.deployment import (
@@ -45,11 +51,22 @@ from tests.models.hybrid_prefix_cache.harness.oracle import (
     Turn,
     expected_resend,
 )
+from tests.models.hybrid_prefix_cache.harness.reconcile import (
+    FIRST_TOKENS,
+    PREFIX_QUERIES,
+    REQUESTS_DONE,
+    aborted_entry,
+)
 from tests.models.hybrid_prefix_cache.harness.records import CaseRecord, reported_case
 from tests.models.hybrid_prefix_cache.harness.servers import ServerPool
 from tests.models.hybrid_prefix_cache.harness.workloads import (
+    ABORT_AFTER_FRACTION,
+    ABORT_ATTEMPTS,
     NUM_SIBLINGS,
     WORKLOADS,
+    abort_checkpoint,
+    abort_landing,
+    abort_retry_length,
     branch_checkpoint,
     branch_lengths,
     budget_problems,
@@ -382,6 +399,106 @@ def run_siblings(
     return record
 
 
+def run_abort_retry(
+    suite: Suite,
+    case_id: str,
+    binding: Binding,
+    deployment: Deployment,
+    mode: Mode,
+    budget: int,
+) -> CaseRecord:
+    """A client gives up on a cold request mid-prefill and retries it, on
+    ``suite``'s servers of a one-instance deployment whose scheduler takes
+    ``budget`` tokens a step: the prompt's checkpoint ends its first chunk
+    and the tail takes a second (:func:`abort_retry_length`). Two cold
+    requests of it first measure how long a request takes there (the
+    faster: the first may warm the server up); the client then gives up on
+    the same prompt under a fresh salt after ABORT_AFTER_FRACTION of that
+    (:func:`give_up`: vLLM aborts it), and retries it at once under that
+    salt, played as a turn: the retry, then its recompute under a fresh
+    salt, alone on the same server. The server's counters say where the
+    abort landed (:func:`abort_landing`); where it was not mid-prefill, the
+    next of ABORT_ATTEMPTS tries gives up earlier or later.
+
+    Each retry must hit what the aborted steps wrote
+    (:func:`abort_checkpoint`) and match its recompute as any turn does; a
+    failure names the workload's property."""
+    __tracebackhide__ = True
+    with (
+        reported_case(case_id, suite.records) as record,
+        serve_case(record, binding, deployment, mode, suite.pool) as play,
+    ):
+        if len(play.servers) != 1:
+            raise ValueError(f"{case_id}: abort-retry plays one instance")
+        server, model = play.servers[0], binding.model
+        length = abort_retry_length(play.units, budget)
+        prompt = random_tokens(random.Random(case_id), binding.token_ids, length)
+        clocks = [
+            Turn("clock", index, length, 0, 0, prompt=prompt, salt=fresh_salt("clock"))
+            for index in range(2)
+        ]
+        for clock in clocks:
+            record.turns.append(clock)
+            start = time.monotonic()
+            clock.output = send(play.servers, model, prompt, clock.salt)
+            clock.seconds = time.monotonic() - start
+        took = min(clock.seconds for clock in clocks)
+        after = ABORT_AFTER_FRACTION * took
+        for attempt in range(ABORT_ATTEMPTS):
+            before = read_counters(server)
+            salt = fresh_salt("abort")
+            answered = give_up(server, model, prompt, salt, after)
+            if answered is not None:
+                # Answered before the client gave up: a cold request.
+                record.turns.append(
+                    Turn("answered", attempt, length, 0, 0, output=answered)
+                )
+            retry = planned_turn(play, "retry", PlannedTurn(attempt, length, length))
+            record.turns.append(retry)
+            send_turn(play, retry, prompt, salt)
+            # Counted once the retry's stats are exported, with the aborted
+            # request's before them.
+            done = (before[REQUESTS_DONE] or 0.0) + 1 + (answered is not None)
+            now = poll_counters(server, REQUESTS_DONE, lambda v: v >= done)
+            moved = {
+                name: (now[name] or 0.0) - (before[name] or 0.0)
+                for name in (PREFIX_QUERIES, FIRST_TOKENS)
+            }
+            landed = "answered"
+            if answered is None:
+                landed = abort_landing(
+                    moved[PREFIX_QUERIES], moved[FIRST_TOKENS], length
+                )
+                if landed != "before admission":
+                    server.record(aborted_entry(length))
+            retry.expected = abort_checkpoint(
+                landed, length, play.units, mode.drops_unit
+            )
+            recompute_turn(play, retry)
+            record.notices.append(
+                f"attempt {attempt}: the client gave up after {after * 1e3:.0f} ms "
+                f"(a cold request took {took * 1e3:.0f} ms): {landed}; the retry "
+                f"cached {retry.restored}"
+            )
+            if landed == "mid-prefill":
+                break
+            after = after * 2 if landed == "before admission" else after / 2
+        else:
+            record.problems.append(
+                f"abort-retry: no abort of the {length}-token prompt landed "
+                f"mid-prefill in {ABORT_ATTEMPTS} attempts (the notices say "
+                f"where each did)"
+            )
+        finish_turns(play, record.turns)
+        if not record.ok:
+            record.problems.append(
+                f"abort-retry: {WORKLOADS['abort-retry'].holds} (a "
+                f"{length}-token prompt, its first chunk of {budget} tokens a "
+                f"step ending on its checkpoint)"
+            )
+    return record
+
+
 def run_small_budget(
     suite: Suite,
     case_id: str,
@@ -463,10 +580,13 @@ def run_workload(
     known: Sequence[Known] = (),
     num_turns: int = NUM_TURNS,
     resend: bool = True,
+    budget: int | None = None,
 ) -> CaseRecord:
     """A matrix's workload case on its cell's servers (Matrix.workloads):
     the siblings of a shared prefix (:func:`run_siblings`), an exact P/D
-    resend (:func:`run_resend` of :func:`pd_resend_length`), the cell's
+    resend (:func:`run_resend` of :func:`pd_resend_length`), an abort
+    mid-prefill and its retry on servers that schedule ``budget`` tokens a
+    step (:func:`run_abort_retry`), the cell's
     reference conversation under a small prefill budget, on servers of its
     own (:func:`run_small_budget`), or a
     conversation of ``num_turns`` growing turns and (``resend``) a resend
@@ -493,6 +613,12 @@ def run_workload(
             cell = case_id.removesuffix(f"-{workload}")
             run.record = run_small_budget(
                 suite, case_id, binding, deployment, mode, cell
+            )
+        elif workload == "abort-retry":
+            if budget is None:
+                raise ValueError(f"{case_id}: abort-retry needs the servers' budget")
+            run.record = run_abort_retry(
+                suite, case_id, binding, deployment, mode, budget
             )
         elif workload == "pd-resend":
             run.record = run_resend(

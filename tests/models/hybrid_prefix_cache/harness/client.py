@@ -19,6 +19,7 @@ from tests.models.hybrid_prefix_cache.harness.oracle import NUM_LOGPROBS, Sample
 from tests.models.hybrid_prefix_cache.harness.reconcile import (
     EXTERNAL_HITS,
     EXTERNAL_QUERIES,
+    FIRST_TOKENS,
     NIXL_BYTES,
     NIXL_TRANSFERS,
     PREFIX_HITS,
@@ -110,6 +111,7 @@ def read_counters(server: Server) -> dict[str, float | None]:
         NIXL_BYTES,
         SPEC_DRAFTS,
         REQUESTS_DONE,
+        FIRST_TOKENS,
     )
     return {
         name: sum(s.value for s in samples[name]) if name in samples else None
@@ -141,16 +143,15 @@ def _request_failure(server: Server, what: str) -> ServerError:
     return server.error(what)
 
 
-def complete(
-    server: Server,
+def _completion(
     model: str,
     prompt: Sequence[int],
     salt: str,
-    *,
-    max_tokens: int = MAX_TOKENS,
-    kv_transfer_params: dict | None = None,
-) -> Sample:
-    """A greedy completion of ``prompt`` (token ids) under ``salt``."""
+    max_tokens: int,
+    kv_transfer_params: dict | None,
+) -> dict:
+    """The body of a greedy completion of ``prompt`` (token ids) under
+    ``salt``."""
     body = {
         "model": model,
         "prompt": list(prompt),
@@ -162,14 +163,63 @@ def complete(
     }
     if kv_transfer_params is not None:
         body["kv_transfer_params"] = kv_transfer_params
+    return body
+
+
+def _post(
+    server: Server, body: dict, give_up_after: float | None = None
+) -> requests.Response | None:
+    """Post a completion to ``server``; None where the client gave up after
+    ``give_up_after`` seconds without an answer (else a failure)."""
     url = server.url_for("v1/completions")
+    timeout = (
+        REQUEST_TIMEOUT if give_up_after is None else (CONTROL_TIMEOUT, give_up_after)
+    )
     try:
         with phase("requests"):
-            response = requests.post(url, json=body, timeout=REQUEST_TIMEOUT)
+            return requests.post(url, json=body, timeout=timeout)
     except requests.RequestException as e:
+        if give_up_after is not None and isinstance(e, requests.ReadTimeout):
+            return None
         raise _request_failure(
             server, f"did not answer a completion ({type(e).__name__}: {e})"
         ) from None
+
+
+def complete(
+    server: Server,
+    model: str,
+    prompt: Sequence[int],
+    salt: str,
+    *,
+    max_tokens: int = MAX_TOKENS,
+    kv_transfer_params: dict | None = None,
+) -> Sample:
+    """A greedy completion of ``prompt`` (token ids) under ``salt``."""
+    body = _completion(model, prompt, salt, max_tokens, kv_transfer_params)
+    response = _post(server, body)
+    assert response is not None
+    return _answered(server, response, kv_transfer_params)
+
+
+def give_up(
+    server: Server, model: str, prompt: Sequence[int], salt: str, after: float
+) -> Sample | None:
+    """Send a greedy completion of ``prompt`` under ``salt`` and give up on
+    it after ``after`` seconds without an answer, closing the connection:
+    vLLM's API server then aborts the request (entrypoints/serve/utils/
+    api_utils.py with_cancellation, on the client's disconnect). None where
+    the client gave up; the answer where the server answered first."""
+    body = _completion(model, prompt, salt, MAX_TOKENS, None)
+    response = _post(server, body, give_up_after=after)
+    return None if response is None else _answered(server, response, None)
+
+
+def _answered(
+    server: Server, response: requests.Response, kv_transfer_params: dict | None
+) -> Sample:
+    """The sample of a completion that ``server`` answered, recorded in its
+    ledger."""
     if response.status_code != 200:
         raise _request_failure(
             server,

@@ -24,6 +24,11 @@ NIXL_TRANSFERS = "vllm:nixl_xfer_time_seconds_count"
 NIXL_BYTES = "vllm:nixl_bytes_transferred_sum"
 SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
 REQUESTS_DONE = "vllm:request_success_total"
+# Requests that produced their first token (v1/metrics/loggers.py
+# PrometheusStatLogger: one observation per IterationStats.
+# time_to_first_tokens_iter entry, appended when a prefill's first token is
+# sampled, v1/metrics/stats.py IterationStats.update_from_output).
+FIRST_TOKENS = "vllm:time_to_first_token_seconds_count"
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,17 @@ def ledger_entry(
     elif params.get("do_remote_prefill"):
         held = prompt_tokens - PD_PREFILL_BACKOFF
     return Ledger(1, prompt_tokens, cached_tokens, queries, held)
+
+
+def aborted_entry(prompt_tokens: int) -> Ledger:
+    """The share of its server's counters of a cold request that its client
+    aborted once the scheduler had admitted it: its prompt was looked up and
+    counted then (Scheduler.schedule, KVCacheManager.
+    record_prefix_cache_stats), with nothing held, but it answered no
+    completion, and vLLM counts no success for it (v1/engine/
+    output_processor.py OutputProcessor.abort_requests drops the request's
+    state without the finished-request stats that request_success counts)."""
+    return Ledger(queries=prompt_tokens)
 
 
 def decoder_pulls(prompt_len: int, local_hit: float) -> float:

@@ -153,6 +153,58 @@ def abort_length(units: Units, budget: int) -> int:
     )
 
 
+# On a real server, the client gives up on a cold request of an
+# abort_length prompt after this fraction of the time that a cold request of
+# it took there (measured first, on the same server). Where that abort did
+# not land mid-prefill, the next of at most ABORT_ATTEMPTS tries gives up
+# twice as late (the request was not yet admitted) or twice as early (it
+# had produced its first token, or was answered).
+ABORT_AFTER_FRACTION = 0.25
+ABORT_ATTEMPTS = 4
+
+
+def abort_retry_length(units: Units, budget: int) -> int:
+    """The prompt of a real server's abort-retry case: its checkpoint ends
+    the first prefill chunk under ``budget`` tokens a step, and the tail
+    takes a second step, where an abort can land between them. The
+    checkpoint is the last block boundary within the budget (in the hit
+    unit's mode too, since a block is whole units), and the tail is the
+    reference one, so Scheduler._mamba_block_aligned_split ends the first
+    chunk there, at last_cache_position."""
+    return budget // units.block * units.block + FIRST_PROMPT_TAIL
+
+
+def abort_landing(queried: float, first_tokens: float, prompt_len: int) -> str:
+    """Where an abort landed, from what the server's counters moved by over
+    the aborted request and its answered retry (each a cold lookup of the
+    ``prompt_len``-token prompt): "mid-prefill" where the aborted request
+    was admitted (its prompt counted by prefix_cache_queries at admission,
+    Scheduler.schedule) and sampled no first token (time_to_first_token:
+    only the retry's); "before admission" or "after the prefill"
+    otherwise."""
+    if queried < 2 * prompt_len:
+        return "before admission"
+    if first_tokens > 1:
+        return "after the prefill"
+    return "mid-prefill"
+
+
+def abort_checkpoint(landed: str, prompt_len: int, units: Units, drops: bool) -> int:
+    """What the retry of an :func:`abort_retry_length` prompt must hit,
+    given where the abort landed (:func:`abort_landing`, or "answered"
+    where the server answered before the client gave up): nothing where it
+    was never admitted; else the prompt's checkpoint, which its first chunk
+    published when it was scheduled (MambaManager.cache_blocks) and wrote
+    as it ran, since a synchronous engine runs the step it scheduled before
+    it takes the abort (EngineCore.step; Scheduler.finish_requests then
+    frees the request's blocks, keeping their hashes). A retry that misses
+    it lost what the aborted steps wrote; one past it, or apart from its
+    recompute, resumed from a state no step wrote (vLLM #56525)."""
+    if landed == "before admission":
+        return 0
+    return prompt_end_checkpoint(prompt_len, units.hit, drops)
+
+
 def abort_problems(
     hit: int, written: int, in_flight: int, prompt_len: int, units: Units
 ) -> list[str]:
