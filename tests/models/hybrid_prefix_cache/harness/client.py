@@ -207,9 +207,9 @@ def give_up(
 ) -> Sample | None:
     """Send a greedy completion of ``prompt`` under ``salt`` and give up on
     it after ``after`` seconds without an answer, closing the connection:
-    vLLM's API server then aborts the request (entrypoints/serve/utils/
-    api_utils.py with_cancellation, on the client's disconnect). None where
-    the client gave up; the answer where the server answered first."""
+    vLLM's API server then aborts the request, on the client's disconnect
+    (entrypoints/serve/utils/api_utils.py with_cancellation). None where the
+    client gave up; the answer where the server answered first."""
     body = _completion(model, prompt, salt, MAX_TOKENS, None)
     response = _post(server, body, give_up_after=after)
     return None if response is None else _answered(server, response, None)

@@ -89,9 +89,10 @@ def aborted_entry(prompt_tokens: int) -> Ledger:
     aborted once the scheduler had admitted it: its prompt was looked up and
     counted then (Scheduler.schedule, KVCacheManager.
     record_prefix_cache_stats), with nothing held, but it answered no
-    completion, and vLLM counts no success for it (v1/engine/
-    output_processor.py OutputProcessor.abort_requests drops the request's
-    state without the finished-request stats that request_success counts)."""
+    completion, and vLLM counts no success for it
+    (v1/engine/output_processor.py OutputProcessor.abort_requests drops the
+    request's state without the finished-request stats that request_success
+    counts)."""
     return Ledger(queries=prompt_tokens)
 
 
