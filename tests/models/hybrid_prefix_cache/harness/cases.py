@@ -459,7 +459,7 @@ def run_abort_retry(
             # Counted once the retry's stats are exported, with the aborted
             # request's before them.
             done = (before[REQUESTS_DONE] or 0.0) + 1 + (answered is not None)
-            now = poll_counters(server, REQUESTS_DONE, lambda v: v >= done)
+            now = poll_counters(server, REQUESTS_DONE, lambda v, d=done: v >= d)
             moved = {
                 name: (now[name] or 0.0) - (before[name] or 0.0)
                 for name in (PREFIX_QUERIES, FIRST_TOKENS)
