@@ -55,7 +55,9 @@ WORKLOADS = {
             "scheduled before the abort complete), MambaManager."
             "get_num_blocks_to_allocate (a retry admitted beside the original "
             "is held back from a state published in its own step, "
-            "cached_blocks_this_step)",
+            "cached_blocks_this_step); on a real server, EngineCore.step (a "
+            "synchronous engine runs the step it scheduled before it takes "
+            "the abort)",
         ),
         Workload(
             "eviction",
@@ -154,8 +156,8 @@ def abort_length(units: Units, budget: int) -> int:
 
 
 # On a real server, the client gives up on a cold request of an
-# abort_length prompt after this fraction of the time that a cold request of
-# it took there (measured first, on the same server). Where that abort did
+# abort_retry_length prompt after this fraction of the time that a cold
+# request of it took there (measured first, on the same server). Where that abort did
 # not land mid-prefill, the next of at most ABORT_ATTEMPTS tries gives up
 # twice as late (the request was not yet admitted) or twice as early (it
 # had produced its first token, or was answered).
