@@ -56,6 +56,7 @@ from tests.models.hybrid_prefix_cache.harness.reconcile import (
     PREFIX_QUERIES,
     REQUESTS_DONE,
     aborted_entry,
+    counter_deltas,
 )
 from tests.models.hybrid_prefix_cache.harness.records import CaseRecord, reported_case
 from tests.models.hybrid_prefix_cache.harness.servers import ServerPool
@@ -460,14 +461,11 @@ def run_abort_retry(
             # request's before them.
             done = (before[REQUESTS_DONE] or 0.0) + 1 + (answered is not None)
             now = poll_counters(server, REQUESTS_DONE, lambda v, d=done: v >= d)
-            moved = {
-                name: (now[name] or 0.0) - (before[name] or 0.0)
-                for name in (PREFIX_QUERIES, FIRST_TOKENS)
-            }
+            moved = counter_deltas(now, before)
             landed = "answered"
             if answered is None:
                 landed = abort_landing(
-                    moved[PREFIX_QUERIES], moved[FIRST_TOKENS], length
+                    moved[PREFIX_QUERIES] or 0.0, moved[FIRST_TOKENS] or 0.0, length
                 )
                 if landed != "before admission":
                     server.record(aborted_entry(length))

@@ -157,10 +157,10 @@ def abort_length(units: Units, budget: int) -> int:
 
 # On a real server, the client gives up on a cold request of an
 # abort_retry_length prompt after this fraction of the time that a cold
-# request of it took there (measured first, on the same server). Where that abort did
-# not land mid-prefill, the next of at most ABORT_ATTEMPTS tries gives up
-# twice as late (the request was not yet admitted) or twice as early (it
-# had produced its first token, or was answered).
+# request of it took there (measured first, on the same server). Where that
+# abort did not land mid-prefill, the next of at most ABORT_ATTEMPTS tries
+# gives up twice as late (the request was not yet admitted) or twice as
+# early (it had produced its first token, or was answered).
 ABORT_AFTER_FRACTION = 0.25
 ABORT_ATTEMPTS = 4
 
