@@ -7,6 +7,7 @@ dev/benchmark_cpu_tier.py; the CPU tier's known failures are in
 cpu_known.py."""
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -75,11 +76,23 @@ IN_PROCESS = {
 # NIXL on the CPU backend: KV buffers in host memory, and a lease long
 # enough for a slow 2-core machine (the default 30 s expired mid-run).
 NIXL = kv_connector("NixlConnector", {"kv_lease_duration": 600}, kv_buffer_device="cpu")
-# Each P/D instance keeps a NIXL thread busy; with each one bound to a core
-# of its own, a P/D turn took 3.5 s to prefill and 0.7 s to decode, against
-# 12-37 s and 4-9 s for two in-process instances sharing both cores.
-PREFILL_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "0"}
-DECODE_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "1"}
+# NIXL's Python agent builds its config with a progress-thread delay of 0,
+# and the UCX backend's shared progress thread then polls with no wait: a
+# whole core per P/D instance, idle or not. nixl_progress/sitecustomize.py
+# sets the delay of each agent built in a server with this environment. 1 ms
+# is the shortest wait other than a spin: the thread's poll() takes the
+# delay in whole milliseconds, rounded up (nixlUcxSharedThread), and it
+# still wakes at once on a UCX event. Only the CPU tier sets it; the GPU
+# tier's P/D runs NIXL as vLLM builds it.
+NIXL_PROGRESS = {
+    "PYTHONPATH": str(Path(__file__).parent / "nixl_progress"),
+    "HYBRID_PC_NIXL_PROGRESS_DELAY_US": "1000",
+}
+# Each P/D instance is bound to a core of its own: a P/D turn took 3.5 s to
+# prefill and 0.7 s to decode, against 12-37 s and 4-9 s for two in-process
+# instances sharing both cores (with NIXL's progress threads spinning).
+PREFILL_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "0", **NIXL_PROGRESS}
+DECODE_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "1", **NIXL_PROGRESS}
 TP2_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 OFFLOAD = cpu_offload(1 << 30)
 NIXL_OFFLOAD = multi_connector(NIXL, OFFLOAD)
@@ -96,13 +109,24 @@ MODES = matrix_modes(PARTIAL_UNIT, "ngram", NGRAM)
 DEPLOYMENTS = {
     "plain": Deployment(decode=Instance(**IN_PROCESS)),
     "tp2": Deployment(decode=Instance(tp=2, env=TP2_CORES)),
+    # Each P/D instance runs its rank in the engine process too, now that
+    # NIXL's progress thread sleeps there: on 2 cores that halved the time
+    # of the P/D cells and their workloads, against a worker process each.
     "pd": Deployment(
-        prefill=Instance(kv_config=NIXL, env=PREFILL_CORES),
-        decode=Instance(kv_config=NIXL, env=DECODE_CORES),
+        prefill=Instance(
+            kv_config=NIXL,
+            env={**PREFILL_CORES, **IN_PROCESS["env"]},
+            serve_args=IN_PROCESS["serve_args"],
+        ),
+        decode=Instance(
+            kv_config=NIXL,
+            env={**DECODE_CORES, **IN_PROCESS["env"]},
+            serve_args=IN_PROCESS["serve_args"],
+        ),
     ),
     "pd-tp2": Deployment(
-        prefill=Instance(tp=2, kv_config=NIXL),
-        decode=Instance(kv_config=NIXL, prefix_caching=False),
+        prefill=Instance(tp=2, kv_config=NIXL, env=NIXL_PROGRESS),
+        decode=Instance(kv_config=NIXL, prefix_caching=False, env=NIXL_PROGRESS),
     ),
     "offload": Deployment(decode=Instance(kv_config=OFFLOAD), offload=True),
     "dcp2": Deployment(decode=Instance(tp=2, dcp=2, env=TP2_CORES)),

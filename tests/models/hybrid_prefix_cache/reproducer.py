@@ -132,7 +132,10 @@ def serve_commands(serve: Mapping | None) -> list[str]:
     for i, server in enumerate(serve["servers"]):
         env = dict(server["env"])
         if pythonpath:
-            env["PYTHONPATH"] = pythonpath
+            # The server's own entries (cpu_binding.NIXL_PROGRESS) first, as
+            # harness.layered_env lays them.
+            own = env.get("PYTHONPATH")
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, (own, pythonpath)))
         if server.get("side_channel_port"):
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(FIRST_SIDE_CHANNEL_PORT + i)
         words = [f"{k}={v}" for k, v in env.items()]

@@ -445,6 +445,16 @@ def test_server_specs():
     )
 
 
+def test_a_servers_own_pythonpath_goes_first():
+    inherited = {"PYTHONPATH": "/overlay:/checkout", "A": "1", "B": "1"}
+    env = harness.layered_env(inherited, {"PYTHONPATH": "/hook", "B": "2"})
+    assert env == {"PYTHONPATH": "/hook:/overlay:/checkout", "A": "1", "B": "2"}
+    assert harness.layered_env({}, {"PYTHONPATH": "/hook"}) == {"PYTHONPATH": "/hook"}
+    assert harness.layered_env(inherited, {"B": "2"})["PYTHONPATH"] == (
+        "/overlay:/checkout"
+    )
+
+
 @pytest.mark.parametrize(
     ("prev_len", "prompt_len", "unit", "bound"),
     [

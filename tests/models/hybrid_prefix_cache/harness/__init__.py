@@ -240,6 +240,7 @@ from tests.models.hybrid_prefix_cache.harness.servers import (  # noqa: F401
     ServerError,
     ServerPool,
     ServerSpec,
+    layered_env,
     log_folder,
     report_folder,
     serve,

@@ -14,7 +14,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,6 +108,18 @@ def server_specs(
     return tuple(specs)
 
 
+def layered_env(inherited: Mapping[str, str], own: Mapping[str, str]) -> dict[str, str]:
+    """A server's environment: ``own`` (its spec's) laid over ``inherited``
+    (the test process's), except that ``own``'s PYTHONPATH goes first on the
+    inherited one (which may hold the vLLM under test) instead of replacing
+    it."""
+    env = {**inherited, **own}
+    paths = [own.get("PYTHONPATH"), inherited.get("PYTHONPATH")]
+    if own.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.pathsep.join(path for path in paths if path)
+    return env
+
+
 def log_folder() -> Path:
     folder = report_folder() / "server-logs"
     folder.mkdir(exist_ok=True)
@@ -153,10 +165,9 @@ class Server(RemoteOpenAIServer):
     def _start_server(
         self, model: str, vllm_serve_args: list[str], env_dict: dict[str, str] | None
     ) -> None:
-        env = os.environ.copy()
         # The test process may have initialized a device; never fork it.
-        env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-        env.update(env_dict or {})
+        inherited = {**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+        env = layered_env(inherited, env_dict or {})
         _sanitize_pythonpath_env(env)
         command = ["vllm", "serve", model, *vllm_serve_args]
         # What is shown (here, and in every failure) hides secrets in the
