@@ -12,23 +12,34 @@ from pathlib import Path
 import pytest
 
 from tests.models.hybrid_prefix_cache.harness import (
+    EVICTION_POOL_REQUESTS,
+    MAX_TOKENS,
     Binding,
     CaseRecord,
     Deployment,
+    EvictionPlan,
     Instance,
     Mode,
     Units,
     cpu_offload,
+    eviction_args,
+    eviction_max_len,
     kv_connector,
     matrix_modes,
     multi_connector,
+    reference_conversation,
     server_args,
+    with_serve_args,
 )
 from tests.models.hybrid_prefix_cache.scheduler import (
     Geometry,
+    blocks_in_use,
     cpu_engine,
     engine_args,
     environment,
+    play_eviction,
+    servers_for,
+    sized_eviction,
 )
 from tests.models.hybrid_prefix_cache.tiny_hybrid import TinyHybrid
 from vllm.platforms import current_platform
@@ -179,16 +190,62 @@ def resolved_geometry(binding: Binding, mode: Mode) -> Geometry:
 
 
 def resolved_budget(binding: Binding, deployment: Deployment, mode: Mode) -> int:
-    """The tokens a step that the scheduler of ``deployment``'s serving
-    instance takes in ``mode``, as vLLM resolves its config in-process from
-    exactly that server's arguments and environment (the platform's default
-    where no --max-num-batched-tokens is given: engine/arg_utils.py
-    EngineArgs.get_batch_defaults)."""
-    instance = deployment.decode
+    """The tokens a step that the scheduler of ``deployment``'s caching
+    instance (the prefiller under P/D) takes in ``mode``, as vLLM resolves
+    its config in-process from exactly that server's arguments and
+    environment (the platform's default where no --max-num-batched-tokens
+    is given: engine/arg_utils.py EngineArgs.get_batch_defaults)."""
+    instance = deployment.instances[0]
     args = server_args(binding, instance, mode)
     with environment({**binding.env, **instance.env}):
         config = engine_args(binding.model, args).create_engine_config()
     return config.scheduler_config.max_num_batched_tokens
+
+
+def eviction_plan(binding: Binding, mode: Mode, seed: str) -> EvictionPlan:
+    """The plain deployment's eviction case in ``mode`` (harness.run_eviction),
+    replayed first through vLLM's own scheduler on the engine that exactly
+    its servers' arguments and environment build in-process (the scheduler
+    tier's ``cpu_engine``; vLLM's scheduler and KV cache manager, stand-in
+    workers): the model's length cut to the workload's longest request
+    (harness.eviction_max_len), a pool of EVICTION_POOL_REQUESTS times the
+    most blocks one request of that length held there, grown until vLLM
+    accepts it and admits the requests (scheduler.sized_eviction, as the
+    scheduler tier's eviction case sizes it), and the conversation played
+    under pressure (scheduler.play_eviction, the lengths that
+    run_eviction plays). The CPU worker sizes its pool from
+    --kv-cache-memory-bytes, the same bytes a block as the default pool."""
+    deployment = DEPLOYMENTS["plain"]
+    env = {**binding.env, **deployment.decode.env}
+    units = resolved_units(binding, mode)
+    max_len = eviction_max_len(
+        reference_conversation(units, seed).first_len, MAX_TOKENS
+    )
+
+    def servers(args: tuple[str, ...]):
+        served = with_serve_args(deployment, args).decode
+        engine = cpu_engine(binding.model, server_args(binding, served, mode), env)
+        return engine, servers_for([engine], deployment, binding.token_ids)
+
+    sizing, (server,) = servers(("--max-model-len", str(max_len)))
+    per_block = (
+        sizing.vllm_config.cache_config.kv_cache_memory_bytes
+        // sizing.kv_cache_config.num_blocks
+    )
+    request = [binding.token_ids[0]] * (max_len - 1)
+    used = blocks_in_use(server, request, "size")
+    blocks, _, replayed = sized_eviction(
+        lambda blocks: servers(eviction_args(max_len, blocks * per_block))[1],
+        EVICTION_POOL_REQUESTS * used + 1,
+        lambda played: play_eviction(played, units, seed, binding.token_ids),
+    )
+    return EvictionPlan(
+        args=eviction_args(max_len, blocks * per_block),
+        pressure=replayed.pressure,
+        held_before=replayed.held_before,
+        held=replayed.held,
+        hit=replayed.hit,
+    )
 
 
 def resolved_units(binding: Binding, mode: Mode) -> Units:

@@ -250,15 +250,19 @@ KNOWN: dict[str, tuple[Known, ...]] = {
 # pd-resend finds the prompt in the decoder's own cache too, so that decoder
 # transfers nothing: the decoder's rule (harness.decoder_problems).
 WORKLOADS = {
-    "shared-prefix": _cells(("plain", "pd"), ("block", "partial")),
+    "shared-prefix": _cells(("plain", "tp2", "pd"), ("block", "partial")),
     "aligned": _cells(("pd",), ("block", "partial")),
     "pd-resend": _cells(("pd",), ("block", "partial")),
-    # One instance, whose default budget (2048 tokens a step) splits the
-    # prompt's prefill: tp2's is twice that, past --max-model-len.
-    "abort-retry": _cells(("plain",), ("block", "partial")),
+    # A caching instance whose default budget (2048 tokens a step) splits
+    # the prompt's prefill (under P/D the abort lands on the prefill leg):
+    # tp2's is twice that, past --max-model-len.
+    "abort-retry": _cells(("plain", "pd"), ("block", "partial")),
     # Servers of its own (a prefill budget is set at start): one plain start
     # per mode.
     "small-budget": _cells(("plain",), ("block", "partial")),
+    # Servers of their own too, whose pool is sized for the workload
+    # (cpu_binding.eviction_plan): one plain start per mode.
+    "eviction": _cells(("plain",), ("block", "partial")),
 }
 MATRIX = Matrix(
     DEPLOYMENTS,

@@ -21,6 +21,7 @@ from tests.models.hybrid_prefix_cache.cpu_binding import (
     CPU_ONLY,
     check_geometry,
     cpu_binding,
+    eviction_plan,
     resolved_budget,
     resolved_units,
 )
@@ -64,9 +65,12 @@ def test_prefix_cache(hybrid_suite: Suite, binding: Binding, case_id: str) -> No
             confirm_at_config(binding, case_id, entry)
     if case.workload is not None:
         # The abort's prompt takes two prefill steps of the servers' budget.
-        budget = None
+        budget = eviction = None
         if case.workload == "abort-retry":
             budget = resolved_budget(binding, deployment, mode)
+        # The pool and pressure, replayed first by vLLM's scheduler.
+        if case.workload == "eviction":
+            eviction = eviction_plan(binding, mode, case_id)
         record = run_workload(
             hybrid_suite,
             case_id,
@@ -76,6 +80,7 @@ def test_prefix_cache(hybrid_suite: Suite, binding: Binding, case_id: str) -> No
             case.workload,
             known,
             budget=budget,
+            eviction=eviction,
         )
         assert record.ok, record.explain()
         return

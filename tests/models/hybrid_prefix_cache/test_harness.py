@@ -900,6 +900,21 @@ def test_eviction_problems_take_the_least_group():
     assert "the least that every group still holds" in why
 
 
+def test_an_eviction_servers_pool_and_pressure():
+    units = harness.Units(block=256, hit=64)
+    assert harness.eviction_filler(units) == 256 + harness.FIRST_PROMPT_TAIL
+    # The conversation's second turn and its output.
+    assert harness.eviction_max_len(805, 8) == 805 + harness.TURN_TOKENS + 8
+    # Later arguments win: laid over the base --max-model-len and pool.
+    assert harness.eviction_args(1590, 123456) == (
+        "--max-model-len",
+        "1590",
+        "--kv-cache-memory-bytes",
+        "123456",
+    )
+    assert harness.WORKLOADS["eviction"].own_servers
+
+
 def test_abort_length_spans_two_steps():
     units = harness.Units(block=256, hit=256)
     assert harness.abort_length(units, 2048) > 2048 + 256
@@ -918,6 +933,10 @@ def test_a_real_servers_abort_lands_and_its_retry_resumes_from_the_checkpoint():
     assert harness.abort_landing(2 * length, 1, length) == "mid-prefill"
     assert harness.abort_landing(length, 1, length) == "before admission"
     assert harness.abort_landing(2 * length, 2, length) == "after the prefill"
+    # Under P/D the retry's cold twin is counted too.
+    assert harness.abort_landing(3 * length, 2, length, answered=2) == "mid-prefill"
+    assert harness.abort_landing(2 * length, 2, length, 2) == "before admission"
+    assert harness.abort_landing(3 * length, 3, length, 2) == "after the prefill"
     assert harness.abort_checkpoint("before admission", length, units, False) == 0
     for landed in ("mid-prefill", "after the prefill", "answered"):
         assert harness.abort_checkpoint(landed, length, units, False) == 2048

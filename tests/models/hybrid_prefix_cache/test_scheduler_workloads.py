@@ -393,66 +393,33 @@ def test_eviction(tiny_model, cpu_binding, cell_id: str) -> None:
         engines = engines_of(cell, tiny_model, cpu_binding, kda_checkpoint=alignment)
         units, servers = servers_of(cell, engines)
         length = harness.reference_conversation(units, "").first_len
-        # vLLM sizes no pool below one request of max_model_len
-        # (v1/core/kv_cache_utils.py check_enough_kv_cache_memory): the
-        # model's length is cut to the workload's longest request, and one
-        # request is measured at that length.
-        max_len = length + harness.TURN_TOKENS + harness.MAX_TOKENS
+        # The model's length is cut to the workload's longest request
+        # (harness.eviction_max_len), and one request is measured at that
+        # length.
+        max_len = harness.eviction_max_len(length, harness.MAX_TOKENS)
         sizing = [cell.token_ids[0]] * (max_len - 1)
         used = scheduler.blocks_in_use(servers[0], sizing, "size")
-        blocks = harness.EVICTION_POOL_REQUESTS * used + 1
-        for _ in range(32):
-            setting, engines = smallest_pool(
-                cell, tiny_model, cpu_binding, alignment, blocks, max_len
-            )
-            units, servers = servers_of(cell, engines)
-            try:
-                result = scheduler.play_eviction(
-                    servers, units, cell_id, cell.token_ids
-                )
-                break
-            except AssertionError as e:
-                # A pool that vLLM accepts may still not admit a request
-                # into an empty engine (admission reserves more than the
-                # request's peak): the pool grows, as smallest_pool does.
-                if " 0 running, " not in str(e):
-                    raise
-                print(f"{cell_id}: {setting.num_blocks} blocks admit nothing: {e}")
-                blocks = setting.num_blocks + max(setting.num_blocks // 4, 1)
-        else:
-            raise AssertionError(f"no pool up to {blocks} blocks admitted the requests")
+
+        def build(blocks: int, alignment=alignment, max_len=max_len):
+            setting = Setting(num_blocks=blocks, max_model_len=max_len)
+            engines = engines_of(cell, tiny_model, cpu_binding, setting, alignment)
+            return servers_of(cell, engines)[1]
+
+        def play(servers, units=units) -> scheduler.Eviction:
+            return scheduler.play_eviction(servers, units, cell_id, cell.token_ids)
+
+        blocks, servers, result = scheduler.sized_eviction(
+            build, harness.EVICTION_POOL_REQUESTS * used + 1, play
+        )
         problems = harness.eviction_problems(result.local_hit, result.held)
         if result.held == result.held_before:
             problems.append(
                 f"nothing was evicted: every group holds {list(result.held)} "
-                f"before and after the pressure ({setting.num_blocks} blocks "
-                f"for {used} a request)"
+                f"before and after the pressure ({blocks} blocks for {used} a "
+                f"request)"
             )
         problems += controls(result.recompute_hit, servers)
         fail("eviction", cell_id, problems, f"{kda} {result}")
-
-
-def smallest_pool(
-    cell: Cell,
-    model: TinyHybrid,
-    binding: harness.Binding,
-    kda_checkpoint: int | None,
-    blocks: int,
-    max_model_len: int,
-) -> tuple[Setting, list[scheduler.Engine]]:
-    """The engines of the smallest pool of at least ``blocks`` blocks that
-    vLLM accepts for ``max_model_len``: it refuses one that cannot hold a
-    request of that length (check_enough_kv_cache_memory, by every layer's
-    max_memory_usage_bytes), so the pool grows by a quarter until it does."""
-    for _ in range(32):
-        setting = Setting(num_blocks=blocks, max_model_len=max_model_len)
-        try:
-            return setting, engines_of(cell, model, binding, setting, kda_checkpoint)
-        except ValueError as e:
-            if "To serve at least one request" not in str(e):
-                raise
-            blocks += max(blocks // 4, 1)
-    raise AssertionError(f"vLLM accepted no pool up to {blocks} blocks")
 
 
 # --- small-budget, aligned, async and sync: conversations on other engines --------

@@ -13,8 +13,10 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from tests.models.hybrid_prefix_cache.harness.client import (
+    PREFILL_KV_TRANSFER_PARAMS,
     cache_config,
     close_window,
+    complete,
     give_up,
     open_window,
     poll_counters,
@@ -47,6 +49,7 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (
 )
 from tests.models.hybrid_prefix_cache.harness.oracle import (
     NUM_TURNS,
+    TURN_TOKENS,
     PlannedTurn,
     Turn,
     expected_resend,
@@ -65,12 +68,15 @@ from tests.models.hybrid_prefix_cache.harness.workloads import (
     ABORT_ATTEMPTS,
     NUM_SIBLINGS,
     WORKLOADS,
+    EvictionPlan,
     abort_checkpoint,
     abort_landing,
     abort_retry_length,
     branch_checkpoint,
     branch_lengths,
     budget_problems,
+    eviction_filler,
+    eviction_problems,
     junction_checkpoint,
     served_budget,
     shared_prefix_length,
@@ -409,17 +415,20 @@ def run_abort_retry(
     budget: int,
 ) -> CaseRecord:
     """A client gives up on a cold request mid-prefill and retries it, on
-    ``suite``'s servers of a one-instance deployment whose scheduler takes
-    ``budget`` tokens a step: the prompt's checkpoint ends its first chunk
-    and the tail takes a second (:func:`abort_retry_length`). Two cold
-    requests of it first measure how long a request takes there (the
-    faster: the first may warm the server up); the client then gives up on
-    the same prompt under a fresh salt after ABORT_AFTER_FRACTION of that
-    (:func:`give_up`: vLLM aborts it), and retries it at once under that
-    salt, played as a turn: the retry, then its recompute under a fresh
-    salt, alone on the same server. The server's counters say where the
-    abort landed (:func:`abort_landing`); where it was not mid-prefill, the
-    next of ABORT_ATTEMPTS tries gives up earlier or later.
+    ``suite``'s servers, whose caching instance (the prefiller under P/D)
+    schedules ``budget`` tokens a step: the checkpoint of the prompt that
+    instance sees ends its first chunk and the tail takes a second
+    (:func:`abort_retry_length`, plus the P/D backoff it does not see). Two
+    cold requests of it through the deployment first measure how long a
+    request takes there (the faster: the first may warm the servers up);
+    the client then gives up on the same prompt under a fresh salt on the
+    caching instance (under P/D, its prefill leg) after ABORT_AFTER_FRACTION
+    of that (:func:`give_up`: vLLM aborts it), and retries it at once under
+    that salt through the deployment, played as a turn: the retry (under
+    P/D, with its cold twin through the same pair), then its recompute
+    under a fresh salt on the decoder alone. The caching instance's counters
+    say where the abort landed (:func:`abort_landing`); where it was not
+    mid-prefill, the next of ABORT_ATTEMPTS tries gives up earlier or later.
 
     Each retry must hit what the aborted steps wrote
     (:func:`abort_checkpoint`) and match its recompute as any turn does; a
@@ -429,10 +438,10 @@ def run_abort_retry(
         reported_case(case_id, suite.records) as record,
         serve_case(record, binding, deployment, mode, suite.pool) as play,
     ):
-        if len(play.servers) != 1:
-            raise ValueError(f"{case_id}: abort-retry plays one instance")
-        server, model = play.servers[0], binding.model
-        length = abort_retry_length(play.units, budget)
+        servers, model = play.servers, binding.model
+        caching, pd = servers[0], len(servers) > 1
+        seen = abort_retry_length(play.units, budget)
+        length = seen + deployment.cache_backoff
         prompt = random_tokens(random.Random(case_id), binding.token_ids, length)
         clocks = [
             Turn("clock", index, length, 0, 0, prompt=prompt, salt=fresh_salt("clock"))
@@ -441,15 +450,29 @@ def run_abort_retry(
         for clock in clocks:
             record.turns.append(clock)
             start = time.monotonic()
-            clock.output = send(play.servers, model, prompt, clock.salt)
+            clock.output = send(servers, model, prompt, clock.salt)
             clock.seconds = time.monotonic() - start
         took = min(clock.seconds for clock in clocks)
         after = ABORT_AFTER_FRACTION * took
+        # Under P/D, the client gives up on the prefill leg.
+        leg = {"max_tokens": 1, "kv_transfer_params": PREFILL_KV_TRANSFER_PARAMS}
         for attempt in range(ABORT_ATTEMPTS):
-            before = read_counters(server)
+            before = read_counters(caching)
             salt = fresh_salt("abort")
-            answered = give_up(server, model, prompt, salt, after)
+            answered = give_up(
+                caching, model, prompt, salt, after, **(leg if pd else {})
+            )
             if answered is not None:
+                if pd:
+                    # The prefill leg was answered: its decode leg follows,
+                    # so the request went through the deployment.
+                    answered = complete(
+                        servers[-1],
+                        model,
+                        prompt,
+                        salt,
+                        kv_transfer_params=answered.kv_transfer_params,
+                    )
                 # Answered before the client gave up: a cold request.
                 record.turns.append(
                     Turn("answered", attempt, length, 0, 0, output=answered)
@@ -457,21 +480,21 @@ def run_abort_retry(
             retry = planned_turn(play, "retry", PlannedTurn(attempt, length, length))
             record.turns.append(retry)
             send_turn(play, retry, prompt, salt)
-            # Counted once the retry's stats are exported, with the aborted
-            # request's before them.
-            done = (before[REQUESTS_DONE] or 0.0) + 1 + (answered is not None)
-            now = poll_counters(server, REQUESTS_DONE, lambda v, d=done: v >= d)
+            # Counted once the stats of the retry (and its twin) are
+            # exported, with the aborted request's before them.
+            sent = 1 + (retry.twin is not None)
+            done = (before[REQUESTS_DONE] or 0.0) + sent + (answered is not None)
+            now = poll_counters(caching, REQUESTS_DONE, lambda v, d=done: v >= d)
             moved = counter_deltas(now, before)
             landed = "answered"
             if answered is None:
+                queried, first_tokens = moved[PREFIX_QUERIES], moved[FIRST_TOKENS]
                 landed = abort_landing(
-                    moved[PREFIX_QUERIES] or 0.0, moved[FIRST_TOKENS] or 0.0, length
+                    queried or 0.0, first_tokens or 0.0, seen, answered=sent
                 )
                 if landed != "before admission":
-                    server.record(aborted_entry(length))
-            retry.expected = abort_checkpoint(
-                landed, length, play.units, mode.drops_unit
-            )
+                    caching.record(aborted_entry(seen))
+            retry.expected = abort_checkpoint(landed, seen, play.units, mode.drops_unit)
             recompute_turn(play, retry)
             record.notices.append(
                 f"attempt {attempt}: the client gave up after {after * 1e3:.0f} ms "
@@ -483,7 +506,7 @@ def run_abort_retry(
             after = after * 2 if landed == "before admission" else after / 2
         else:
             record.problems.append(
-                f"abort-retry: no abort of the {length}-token prompt landed "
+                f"abort-retry: no abort of the {seen}-token prompt landed "
                 f"mid-prefill in {ABORT_ATTEMPTS} attempts (the notices say "
                 f"where each did)"
             )
@@ -568,6 +591,89 @@ def run_small_budget(
     return record
 
 
+def run_eviction(
+    suite: Suite,
+    case_id: str,
+    binding: Binding,
+    deployment: Deployment,
+    mode: Mode,
+    plan: EvictionPlan,
+) -> CaseRecord:
+    """A conversation under eviction pressure, on servers of its own whose
+    pool ``plan`` sizes, as vLLM's scheduler replayed it in-process on the
+    same engine (:class:`EvictionPlan`): the conversation's first prompt,
+    ``plan.pressure`` cold requests under other salts, then its second turn,
+    played as any turn (the hit, then its recompute alone on the same
+    server) under the first prompt's salt. That turn must hit what vLLM's
+    scheduler hit in the replay, and never more than the least that every
+    group still held there (its bound), and match its recompute bit for bit;
+    the server's counters are reconciled with what it reported, as in every
+    case. The case fails where the replay's pressure never reached the
+    conversation: it would test nothing. A failure names the workload's
+    property."""
+    __tracebackhide__ = True
+    served = with_serve_args(deployment, plan.args)
+    with (
+        reported_case(case_id, suite.records) as record,
+        serve_case(record, binding, served, mode, suite.pool) as play,
+    ):
+        if len(play.servers) != 1:
+            raise ValueError(f"{case_id}: eviction plays one instance")
+        if plan.held == plan.held_before:
+            record.problems.append(
+                f"eviction: the replay's {plan.pressure} pressure requests evicted "
+                f"nothing of the conversation (each group held {list(plan.held)} "
+                f"before and after them)"
+            )
+        # The lengths of the replay (scheduler.play_eviction); the tokens
+        # are the case's own.
+        rng, tokens = random.Random(case_id), binding.token_ids
+        first_len = reference_conversation(play.units, case_id).first_len
+        prompt = random_tokens(rng, tokens, first_len)
+        salt = fresh_salt("eviction")
+        first = Turn("first", 0, first_len, 0, 0, prompt=prompt, salt=salt)
+        record.turns.append(first)
+        first.output = send(play.servers, binding.model, prompt, salt)
+        appended = first.output.token_ids[:TURN_TOKENS]
+        grown = prompt + appended
+        grown += random_tokens(rng, tokens, TURN_TOKENS - len(appended))
+        filler = eviction_filler(play.units)
+        for index in range(plan.pressure):
+            other = random_tokens(rng, tokens, filler)
+            pressure = Turn("pressure", index, filler, 0, 0, prompt=other)
+            pressure.salt = fresh_salt("pressure")
+            record.turns.append(pressure)
+            pressure.output = send(play.servers, binding.model, other, pressure.salt)
+        turn = planned_turn(play, "evicted", PlannedTurn(1, len(grown), first_len))
+        # What vLLM's scheduler hit on this pool after this pressure, and
+        # the least that every group held then: the hit may not exceed it.
+        turn.expected, turn.bound = plan.hit, min(plan.held)
+        record.turns.append(turn)
+        play_turn(play, turn, grown, salt)
+        assert turn.output is not None
+        hits = {
+            "vLLM's scheduler, replayed": plan.hit,
+            turn.name: turn.output.cached_tokens,
+        }
+        for who, hit in hits.items():
+            turn.problems += [
+                f"{who}: {why}" for why in eviction_problems(hit, plan.held)
+            ]
+        finish_turns(play, record.turns)
+        record.notices.append(
+            f"{plan.pressure} pressure requests of {filler} tokens; replayed "
+            f"in-process, each group held {list(plan.held_before)} of the next "
+            f"turn before them and {list(plan.held)} after, and vLLM's "
+            f"scheduler hit {plan.hit}"
+        )
+        if not record.ok:
+            record.problems.append(
+                f"eviction: {WORKLOADS['eviction'].holds} (a pool of "
+                f"{' '.join(plan.args)}, {plan.pressure} pressure requests)"
+            )
+    return record
+
+
 def run_workload(
     suite: Suite,
     case_id: str,
@@ -579,6 +685,7 @@ def run_workload(
     num_turns: int = NUM_TURNS,
     resend: bool = True,
     budget: int | None = None,
+    eviction: EvictionPlan | None = None,
 ) -> CaseRecord:
     """A matrix's workload case on its cell's servers (Matrix.workloads):
     the siblings of a shared prefix (:func:`run_siblings`), an exact P/D
@@ -586,7 +693,8 @@ def run_workload(
     mid-prefill and its retry on servers that schedule ``budget`` tokens a
     step (:func:`run_abort_retry`), the cell's
     reference conversation under a small prefill budget, on servers of its
-    own (:func:`run_small_budget`), or a
+    own (:func:`run_small_budget`), a conversation under eviction pressure
+    on servers whose pool ``eviction`` sizes (:func:`run_eviction`), or a
     conversation of ``num_turns`` growing turns and (``resend``) a resend
     from a first prompt that ends on a block (the sweep's "exact" shape,
     :func:`run_case`). A listed case xfails, skips or fails here as in
@@ -617,6 +725,12 @@ def run_workload(
                 raise ValueError(f"{case_id}: abort-retry needs the servers' budget")
             run.record = run_abort_retry(
                 suite, case_id, binding, deployment, mode, budget
+            )
+        elif workload == "eviction":
+            if eviction is None:
+                raise ValueError(f"{case_id}: eviction needs its plan")
+            run.record = run_eviction(
+                suite, case_id, binding, deployment, mode, eviction
             )
         elif workload == "pd-resend":
             run.record = run_resend(

@@ -203,16 +203,26 @@ def complete(
 
 
 def give_up(
-    server: Server, model: str, prompt: Sequence[int], salt: str, after: float
+    server: Server,
+    model: str,
+    prompt: Sequence[int],
+    salt: str,
+    after: float,
+    *,
+    max_tokens: int = MAX_TOKENS,
+    kv_transfer_params: dict | None = None,
 ) -> Sample | None:
-    """Send a greedy completion of ``prompt`` under ``salt`` and give up on
-    it after ``after`` seconds without an answer, closing the connection:
-    vLLM's API server then aborts the request, on the client's disconnect
+    """Send a greedy completion of ``prompt`` under ``salt`` (a P/D
+    prefill leg with ``kv_transfer_params``) and give up on it after
+    ``after`` seconds without an answer, closing the connection: vLLM's API
+    server then aborts the request, on the client's disconnect
     (entrypoints/serve/utils/api_utils.py with_cancellation). None where the
     client gave up; the answer where the server answered first."""
-    body = _completion(model, prompt, salt, MAX_TOKENS, None)
+    body = _completion(model, prompt, salt, max_tokens, kv_transfer_params)
     response = _post(server, body, give_up_after=after)
-    return None if response is None else _answered(server, response, None)
+    if response is None:
+        return None
+    return _answered(server, response, kv_transfer_params)
 
 
 def _answered(

@@ -12,6 +12,7 @@ from tests.models.hybrid_prefix_cache.harness.deployment import Units
 from tests.models.hybrid_prefix_cache.harness.oracle import (
     FIRST_PROMPT_BLOCKS,
     FIRST_PROMPT_TAIL,
+    TURN_TOKENS,
     PathNoise,
     Turn,
     compare,
@@ -66,6 +67,9 @@ WORKLOADS = {
             "v1/core/kv_cache_coordinator.py HybridKVCacheCoordinator."
             "find_longest_cache_hit_per_group, v1/core/kv_cache_manager.py "
             "KVCacheManager.get_computed_blocks_for_connector",
+            # On real servers, a pool sized for the workload (its case's
+            # servers start with other --kv-cache-memory-bytes).
+            own_servers=True,
         ),
         Workload(
             "small-budget",
@@ -176,17 +180,20 @@ def abort_retry_length(units: Units, budget: int) -> int:
     return budget // units.block * units.block + FIRST_PROMPT_TAIL
 
 
-def abort_landing(queried: float, first_tokens: float, prompt_len: int) -> str:
+def abort_landing(
+    queried: float, first_tokens: float, prompt_len: int, answered: int = 1
+) -> str:
     """Where an abort landed, from what the server's counters moved by over
-    the aborted request and its answered retry (each a cold lookup of the
-    ``prompt_len``-token prompt): "mid-prefill" where the aborted request
-    was admitted (its prompt counted by prefix_cache_queries at admission,
-    Scheduler.schedule) and sampled no first token (time_to_first_token:
-    only the retry's); "before admission" or "after the prefill"
-    otherwise."""
-    if queried < 2 * prompt_len:
+    the aborted request and the ``answered`` requests of the same
+    ``prompt_len``-token prompt after it (its retry, and under P/D the
+    retry's cold twin; each a lookup of that prompt): "mid-prefill" where
+    the aborted request was admitted (its prompt counted by
+    prefix_cache_queries at admission, Scheduler.schedule) and sampled no
+    first token (time_to_first_token: only the answered ones'); "before
+    admission" or "after the prefill" otherwise."""
+    if queried < (answered + 1) * prompt_len:
         return "before admission"
-    if first_tokens > 1:
+    if first_tokens > answered:
         return "after the prefill"
     return "mid-prefill"
 
@@ -372,6 +379,50 @@ def budget_problems(
 # many.
 EVICTION_POOL_REQUESTS = 2
 EVICTION_PRESSURE_REQUESTS = 64
+
+
+def eviction_filler(units: Units) -> int:
+    """A pressure request's length: a block and the reference tail."""
+    return units.block + FIRST_PROMPT_TAIL
+
+
+def eviction_max_len(first_len: int, max_tokens: int) -> int:
+    """The model length of an eviction pool's engine: the workload's
+    longest request, the conversation's second turn and its output. vLLM
+    sizes no pool below one request of the model's length
+    (v1/core/kv_cache_utils.py check_enough_kv_cache_memory), so the
+    length is cut to what the workload sends."""
+    return first_len + TURN_TOKENS + max_tokens
+
+
+@dataclass(frozen=True)
+class EvictionPlan:
+    """A real server's eviction case, replayed first through vLLM's own
+    scheduler on that server's engine, built in-process from exactly its
+    arguments: the arguments that size its pool (``args``, laid over the
+    cell's), how many pressure requests of :func:`eviction_filler` tokens
+    the replay sent before the first eviction reached the conversation,
+    each KV cache group's own hit for the conversation's next turn before
+    and after them (HybridKVCacheCoordinator.find_longest_cache_hit_per_group),
+    and the hit vLLM's scheduler then gave that turn."""
+
+    args: tuple[str, ...]
+    pressure: int
+    held_before: tuple[int, ...]
+    held: tuple[int, ...]
+    hit: int
+
+
+def eviction_args(max_model_len: int, kv_cache_bytes: int) -> tuple[str, ...]:
+    """The ``vllm serve`` arguments of an eviction case's servers: the
+    workload's model length (:func:`eviction_max_len`) and a pool of
+    ``kv_cache_bytes`` (the CPU worker sizes its pool from them)."""
+    return (
+        "--max-model-len",
+        str(max_model_len),
+        "--kv-cache-memory-bytes",
+        str(kv_cache_bytes),
+    )
 
 
 def eviction_problems(hit: int, per_group: tuple[int, ...]) -> list[str]:

@@ -48,8 +48,9 @@ Which module owns what (each imports only the ones above it):
   :func:`play_resend`, :class:`TurnResult`) and :func:`units_of`;
 * ``workloads``: the workloads beside the growing conversation that need a
   play of their own (:func:`play_siblings`, :func:`play_abort_retry`,
-  :func:`play_overlapping_retry`, :func:`play_eviction`) and each group's
-  own hit (:func:`per_group_hits`).
+  :func:`play_overlapping_retry`, :func:`play_eviction` on a pool that
+  :func:`sized_eviction` grows until vLLM accepts it) and each group's own
+  hit (:func:`per_group_hits`).
 """
 
 # Every public name of the package, for ``scheduler.X``; F401: these imports
@@ -99,4 +100,5 @@ from tests.models.hybrid_prefix_cache.scheduler.workloads import (  # noqa: F401
     play_eviction,
     play_overlapping_retry,
     play_siblings,
+    sized_eviction,
 )

@@ -8,7 +8,7 @@ budget, aligned prompts, a P/D resend, asynchronous scheduling) are the
 conversations and resends of :mod:`scheduler.play` on other engines."""
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tests.models.hybrid_prefix_cache import harness
@@ -241,6 +241,8 @@ class Eviction:
     hit: int
     local_hit: int
     recompute_hit: int
+    # The rounds of pressure requests sent before that turn.
+    pressure: int
 
 
 def play_eviction(
@@ -272,11 +274,13 @@ def play_eviction(
     # in rounds of one per engine, and the next turn goes back to the first,
     # where the conversation began.
     dp = len(servers[0].loops)
-    filler = units.block + harness.FIRST_PROMPT_TAIL
-    for index in range(harness.EVICTION_PRESSURE_REQUESTS):
+    filler = harness.eviction_filler(units)
+    pressure = 0
+    while pressure < harness.EVICTION_PRESSURE_REQUESTS:
         for rank in range(dp):
             other = harness.random_tokens(rng, token_ids, filler)
-            send(servers, other, f"pressure-{seed}-{index}-{rank}")
+            send(servers, other, f"pressure-{seed}-{pressure}-{rank}")
+        pressure += 1
         for server in servers:
             server.drain()
         if per_group_hits(servers[0], grown, salt) != held_before:
@@ -300,7 +304,38 @@ def play_eviction(
         hit,
         local_hit,
         recompute.cached_tokens,
+        pressure,
     )
+
+
+def sized_eviction(
+    build: Callable[[int], Sequence[ReplayServer]],
+    blocks: int,
+    play: Callable[[Sequence[ReplayServer]], Eviction],
+) -> tuple[int, Sequence[ReplayServer], Eviction]:
+    """:func:`play_eviction` (as ``play``) on the servers ``build`` makes
+    with a pool of ``blocks`` blocks, or of the fewest blocks above it that
+    vLLM accepts and that admit the workload's requests: vLLM refuses a
+    pool that cannot hold one request of the model's length
+    (v1/core/kv_cache_utils.py check_enough_kv_cache_memory), and one that
+    it accepts may still admit nothing into an empty engine (admission
+    reserves more than a request's peak). The pool grows by a quarter each
+    time. Returns the blocks played, their servers and what the play saw."""
+    for _ in range(64):
+        try:
+            servers = build(blocks)
+        except ValueError as e:
+            if "To serve at least one request" not in str(e):
+                raise
+        else:
+            try:
+                return blocks, servers, play(servers)
+            except AssertionError as e:
+                if " 0 running, " not in str(e):
+                    raise
+                print(f"{blocks} blocks admit nothing: {e}")
+        blocks += max(blocks // 4, 1)
+    raise AssertionError(f"no pool up to {blocks} blocks admitted the requests")
 
 
 def blocks_in_use(server: ReplayServer, prompt: Sequence[int], salt: str) -> int:
