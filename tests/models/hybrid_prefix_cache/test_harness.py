@@ -2,6 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Unit tests of the harness's pure helpers; no server, any platform."""
 
+import random
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import get_args
@@ -898,6 +899,15 @@ def test_eviction_problems_take_the_least_group():
     assert harness.eviction_problems(512, (768, 512, 512)) == []
     (why,) = harness.eviction_problems(768, (768, 512, 768))
     assert "the least that every group still holds" in why
+
+
+def test_a_grown_prompt_takes_the_output_then_random_tokens():
+    rng = random.Random(0)
+    grown = harness.grown_prompt(rng, (2, 10), [1, 1], [7, 8])
+    assert len(grown) == 2 + harness.TURN_TOKENS
+    assert grown[:4] == [1, 1, 7, 8] and all(2 <= t < 10 for t in grown[4:])
+    long = list(range(harness.TURN_TOKENS + 5))
+    assert harness.grown_prompt(rng, (2, 10), [], long) == long[: harness.TURN_TOKENS]
 
 
 def test_an_eviction_servers_pool_and_pressure():

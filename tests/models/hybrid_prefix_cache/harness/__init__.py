@@ -141,6 +141,7 @@ from tests.models.hybrid_prefix_cache.harness.conversation import (  # noqa: F40
     Play,
     finish_turns,
     fresh_salt,
+    grown_prompt,
     planned_turn,
     play_turn,
     random_tokens,

@@ -28,6 +28,7 @@ from tests.models.hybrid_prefix_cache.harness.conversation import (
     Play,
     finish_turns,
     fresh_salt,
+    grown_prompt,
     planned_turn,
     play_turn,
     random_tokens,
@@ -49,7 +50,6 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (
 )
 from tests.models.hybrid_prefix_cache.harness.oracle import (
     NUM_TURNS,
-    TURN_TOKENS,
     PlannedTurn,
     Turn,
     expected_resend,
@@ -634,9 +634,7 @@ def run_eviction(
         first = Turn("first", 0, first_len, 0, 0, prompt=prompt, salt=salt)
         record.turns.append(first)
         first.output = send(play.servers, binding.model, prompt, salt)
-        appended = first.output.token_ids[:TURN_TOKENS]
-        grown = prompt + appended
-        grown += random_tokens(rng, tokens, TURN_TOKENS - len(appended))
+        grown = grown_prompt(rng, tokens, prompt, first.output.token_ids)
         filler = eviction_filler(play.units)
         for index in range(plan.pressure):
             other = random_tokens(rng, tokens, filler)

@@ -90,6 +90,19 @@ def random_tokens(rng: random.Random, token_ids: tuple[int, int], n: int) -> lis
     return [rng.randrange(low, high) for _ in range(n)]
 
 
+def grown_prompt(
+    rng: random.Random,
+    token_ids: tuple[int, int],
+    prompt: Sequence[int],
+    output: Sequence[int],
+) -> list[int]:
+    """A conversation's next prompt: ``prompt``, the first TURN_TOKENS
+    tokens of its ``output``, and random tokens up to TURN_TOKENS more."""
+    appended = list(output[:TURN_TOKENS])
+    fill = random_tokens(rng, token_ids, TURN_TOKENS - len(appended))
+    return [*prompt, *appended, *fill]
+
+
 @dataclass
 class Play:
     """What a case needs to play turns: where, what, and how to check.
@@ -250,9 +263,8 @@ def run_conversations(
             if index + 1 >= len(plan) or plan[index + 1].resend:
                 continue  # the resend sends this prompt again
             assert turn.output is not None
-            appended = turn.output.token_ids[:TURN_TOKENS]
-            fill = random_tokens(
-                rng, play.binding.token_ids, TURN_TOKENS - len(appended)
+            grown = grown_prompt(
+                rng, play.binding.token_ids, prompt, turn.output.token_ids
             )
-            states[i] = (conv, rng, salt, prompt + appended + fill, plan)
+            states[i] = (conv, rng, salt, grown, plan)
     finish_turns(play, turns)

@@ -116,11 +116,7 @@ def play_conversations(
             conv, rng, salt, prompt = state
             if index + 1 >= len(plan) or plan[index + 1].resend:
                 continue
-            appended = output[: harness.TURN_TOKENS]
-            fill = harness.random_tokens(
-                rng, token_ids, harness.TURN_TOKENS - len(appended)
-            )
-            state[3] = prompt + appended + fill
+            state[3] = harness.grown_prompt(rng, token_ids, prompt, output)
     for server in servers:
         server.drain()
     return results

@@ -261,9 +261,7 @@ def play_eviction(
     salt = f"eviction-{seed}"
     prompt = harness.random_tokens(rng, token_ids, first_len)
     output, _ = send(servers, prompt, salt)
-    appended = output.token_ids[: harness.TURN_TOKENS]
-    grown = prompt + appended
-    grown += harness.random_tokens(rng, token_ids, harness.TURN_TOKENS - len(appended))
+    grown = harness.grown_prompt(rng, token_ids, prompt, output.token_ids)
     for server in servers:
         server.drain()
     held_before = per_group_hits(servers[0], grown, salt)
