@@ -36,15 +36,22 @@ import torch
 #   with the initializer's decay rates and lm_head (before
 #       tiny_hybrid.DECAY_RATE_RANGE and LM_HEAD_GAIN): 6.8e-4 to 1.5e-3 over
 #       the vocabulary, 7.8e-5 to 6.9e-4 on the greedy tokens (``sampled``);
-#   as written now: 4.3 to 7.4 over the vocabulary, 1.2 to 2.4 sampled;
-#       in the served shapes (served_sensitivity, seeds 0-2), 0.0027 to
-#       0.014 for a growing turn, 0.065 to 0.15 for a resend;
+#   with DECAY_RATE_RANGE and LM_HEAD_GAIN, and 2 of its 4 experts routed
+#       a token: 4.3 to 7.4 over the vocabulary, 1.2 to 2.4 sampled; in the
+#       served shapes (served_sensitivity, seeds 0-2), 0.0027 to 0.014 for a
+#       growing turn, 0.065 to 0.15 for a resend. Part of it was routing: a
+#       scaled state flipped a token's expert set, as path noise does
+#       (tiny_hybrid.EXPERTS);
+#   as written now, every expert routed (2026-12-02): 0.72 to 0.97 over the
+#       vocabulary, 0.21 to 0.27 sampled; served, 0.0017 to 0.0034 for a
+#       growing turn, 0.026 to 0.038 for a resend;
 #   the same model with dummy-like weights (uniform +-1e-3, as vLLM's
 #       ``--load-format dummy``), scales 0.9 and 0.0: exactly 0.0, since
 #       their linear-attention layers' output is ~1e-16 against a residual
 #       stream of ~6e-4;
 #   float32 rounding, continuing from the cache vs. one full forward: up to
-#       1.9e-6 before, 1.3e-5 now (the logits are ten times larger).
+#       1.9e-6 before, 1.3e-5 with DECAY_RATE_RANGE and LM_HEAD_GAIN (the
+#       logits are ten times larger), 1.0e-5 now (seed 0).
 # 1e-5 is far below what a model whose state matters gives and above float32
 # rounding of the dummy copy, so only a model whose recurrent state has
 # stopped mattering falls below it.

@@ -84,6 +84,14 @@ RECORD_FAILURES |= {
     ("pd-partial-aligned", (256, 64)): lambda: restored_apart_turn(
         "exact", 1, 768, 1545, 64, 0.00285, block=256, pd=True
     ),
+    # At block 128 (AVX2 only), turn 1 restored 256 and 320 tokens and sat
+    # 0.0639 and 0.00409 from its cold twin.
+    ("pd-block-aligned", (128, 128)): lambda: restored_apart_turn(
+        "exact", 1, 384, 1161, 128, 0.0639, block=128, pd=True
+    ),
+    ("pd-partial-aligned", (128, 64)): lambda: restored_apart_turn(
+        "exact", 1, 384, 1161, 64, 0.00409, block=128, pd=True
+    ),
     # The small-budget cases' branch, 0.205 and 0.173 from its recompute.
     ("plain-block-small-budget", (256, 256)): lambda: branch_apart_turn(
         Units(block=256, hit=256), 0.205

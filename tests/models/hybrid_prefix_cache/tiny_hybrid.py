@@ -3,11 +3,12 @@
 """Write a tiny Qwen3-Next hybrid checkpoint with realistic random weights.
 
 Three Gated DeltaNet layers and one full-attention layer, hidden size 256 and
-four experts: small enough to write in seconds and serve on two CPU cores,
-with weights chosen so that the recurrent state carried across a prefix
-matters to the output (DECAY_RATE_RANGE, LM_HEAD_GAIN): a 10% error in it
-moves the greedy tokens' logprobs by 1.2 to 2.4 in sensitivity.py's float32
-measure, where the initializer's weights gave at most 7e-4.
+four experts, all routed (EXPERTS): small enough to write in seconds and serve
+on two CPU cores, with weights chosen so that the recurrent state carried
+across a prefix matters to the output (DECAY_RATE_RANGE, LM_HEAD_GAIN): a 10%
+error in it moves the greedy tokens' logprobs by 0.2 to 0.27 in
+sensitivity.py's float32 measure, where the initializer's weights gave at most
+7e-4.
 
 vLLM's ``--load-format dummy`` is deliberately not used: its weights are
 uniform in +-1e-3, which makes the recurrent state numerically invisible (a
@@ -47,6 +48,18 @@ SEED = 1234
 # sensitivity.py measures what that does to a 10% state error.
 DECAY_RATE_RANGE = (0.001, 0.1)
 LM_HEAD_GAIN = 10.0
+# Every expert routed for every token: the router still weighs them (softmax,
+# continuous), but picks none out. With 2 of the 4, a near tie between the
+# second and third expert's router logits flips one token's expert set on one
+# numerical path and not on the other: on an AMD EPYC with AVX2 only (block
+# 128), a P/D cold twin and the decoder alone then differed by 1.24 and 0.4 at
+# one position with the same tokens, 20x and 8x the gaps at every other
+# position (0.05), and 4 cold control pairs a case rarely sample such a flip.
+# With all 4, no such spike in 300 positions of the same P/D cases: the path
+# noise is the continuous rounding the cold controls measure (oracle.py
+# PATH_NOISE_MARGIN). A 10% state error moves the sampled logprobs less (0.2
+# to 0.27, against 1.2 to 2.4): part of that was routing flips too.
+EXPERTS = 4
 
 # Special tokens sit at the start of the vocabulary; every id from
 # FIRST_WORD_ID on is an ordinary word, safe for random prompts.
@@ -95,8 +108,8 @@ def _config(variant: str = "") -> dict:
         "linear_key_head_dim": 64,
         "linear_value_head_dim": 64,
         "linear_conv_kernel_dim": 4,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
+        "num_experts": EXPERTS,
+        "num_experts_per_tok": EXPERTS,
         "moe_intermediate_size": 128,
         "shared_expert_intermediate_size": 128,
         "decoder_sparse_step": 1,

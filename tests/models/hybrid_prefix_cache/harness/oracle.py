@@ -136,13 +136,16 @@ def expectation(
 # sit at 2^-8, 2^-7 and a few times 2^-7, on AMD EPYC and Intel Xeon alike):
 # 4 allows two binades above the largest cold gap, for a gap that the case's
 # controls did not happen to reach (on the Intel Xeon, cross-path gaps of hit
-# turns stayed within 1.14x their case's largest cold gap). A wrong state
-# must still show across paths: the generated model is chosen so that a 10%
-# error in the recurrent state moves the sampled logprobs by 18 to 37 times
-# the largest path noise of the CPU tier's records in sensitivity.py's float32
-# measure (tiny_hybrid.DECAY_RATE_RANGE). Served, 10% off on every restored
-# state moved a hit 800 tokens past its checkpoint by only 0.05 to 0.1, about
-# the path noise: the one-path comparisons (exact) are what catch it there.
+# turns stayed within 1.14x their case's largest cold gap). The noise must
+# be continuous for its largest cold gap to bound it: the generated model
+# routes every expert (tiny_hybrid.EXPERTS), since a routing flip on one path
+# moved one position 20x the rest. A 10% error in the recurrent state moves
+# the sampled logprobs by 0.2 to 0.27 in sensitivity.py's float32 measure
+# (tiny_hybrid.DECAY_RATE_RANGE), 26x or more the P/D noise of an AVX512-BF16
+# CPU but only 3 to 4x the 0.06 of an AVX2-only one; served, 10% off on every
+# restored state moved a hit 800 tokens past its checkpoint by about the path
+# noise. The one-path comparisons (exact) are what catch a wrong state; a
+# cross-path one catches a gross one (a transfer that loses the state).
 PATH_NOISE_MARGIN = 4
 
 
