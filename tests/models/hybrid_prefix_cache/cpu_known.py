@@ -247,25 +247,6 @@ KNOWN: dict[str, tuple[Known, ...]] = {
         ),
         _aligned_apart_at_128(64, 320),
     ),
-    "pd-block-shared-prefix": (
-        Known(
-            "xfail",
-            "P/D at block 256: the third sibling's cold twin (its own fresh "
-            "salt, nothing restored), decoded from its NIXL transfer, parts "
-            "from the decoder's own recompute at its eighth token, where the "
-            "decoder's choice moves between the two paths by more than the "
-            "case's path tolerance (harness.near_tie), alike on an Intel Xeon "
-            "(AMX-BF16) and an AMD EPYC (AVX512-BF16); the other siblings and "
-            "every reference P/D turn pass, and so does partial mode",
-            # The oracle's words for a failed transfer check.
-            evidence=(
-                "sibling turn 2: the decoder's output from the transferred KV "
-                "and state (cold twin) differs from its own recompute"
-            ),
-            geometry=(256, 256),
-            in_record=True,
-        ),
-    ),
 }
 
 # The matrix, with the tail sweep (and its concurrent case) on the plain

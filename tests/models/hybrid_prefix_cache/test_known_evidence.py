@@ -26,7 +26,6 @@ from tests.models.hybrid_prefix_cache.test_paths import (
     branch_apart_turn,
     lost_checkpoint_turn,
     lost_resend_turn,
-    pd_transfer_apart_turn,
     restored_apart_turn,
 )
 from tests.models.hybrid_prefix_cache.tiny_hybrid import write_tiny_hybrid
@@ -98,10 +97,6 @@ RECORD_FAILURES |= {
     ),
     ("plain-partial-small-budget", (256, 64)): lambda: branch_apart_turn(
         Units(block=256, hit=64), 0.173
-    ),
-    # The third sibling's cold twin, a token apart from the recompute.
-    ("pd-block-shared-prefix", (256, 256)): lambda: pd_transfer_apart_turn(
-        "sibling", 2, 640, 933, 256, 512
     ),
 }
 GEOMETRY = {None: Units(block=256, hit=256)}

@@ -198,6 +198,12 @@ def pd_transfer_apart_turn(
     return played
 
 
+def test_a_transfer_far_beyond_the_cold_controls_fails():
+    # A cold twin 1.0 from the decoder alone, where the controls sit at 2^-7.
+    played = pd_transfer_apart_turn("sibling", 2, 640, 933, 256, 512)
+    assert any("the transferred state is wrong" in p for p in played.problems)
+
+
 def play(turns: list[Turn], unit: int, atol: float | None = 0.0):
     for t in turns:
         check_turn(t, Units(block=unit, hit=unit), atol, drops_unit=False)
