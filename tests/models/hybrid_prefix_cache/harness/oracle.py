@@ -142,10 +142,11 @@ def expectation(
 # moved one position 20x the rest. A 10% error in the recurrent state moves
 # the sampled logprobs by 0.2 to 0.27 in sensitivity.py's float32 measure
 # (tiny_hybrid.DECAY_RATE_RANGE), 26x or more the P/D noise of an AVX512-BF16
-# CPU but only 3 to 4x the 0.06 of an AVX2-only one; served, 10% off on every
-# restored state moved a hit 800 tokens past its checkpoint by about the path
-# noise. The one-path comparisons (exact) are what catch a wrong state; a
-# cross-path one catches a gross one (a transfer that loses the state).
+# CPU but only 3 to 4x the 0.06 of an AVX2-only one (served, with 2 experts
+# routed, 10% off on every restored state moved a hit 800 tokens past its
+# checkpoint by 0.05 to 0.1). The one-path comparisons (exact) are what catch
+# a wrong state; a cross-path one catches a gross one (a decoder that reads
+# another block's transferred state).
 PATH_NOISE_MARGIN = 4
 
 
