@@ -175,35 +175,6 @@ def branch_apart_turn(units: Units, gap: float) -> Turn:
     return played
 
 
-def pd_transfer_apart_turn(
-    label: str, index: int, prev_len: int, prompt_len: int, unit: int, cached: int
-) -> Turn:
-    """A P/D turn whose hit equals its cold twin but whose twin, decoded
-    from the transfer, parts from the decoder's own recompute far beyond the
-    case's cold controls (the transfer check of :func:`check_paths`)."""
-    apart = 1.0
-    played = turn(
-        index,
-        prev_len,
-        prompt_len,
-        unit,
-        sample(apart, cached=cached, prompt_len=prompt_len),
-        sample(prompt_len=prompt_len),
-        twin=sample(apart, prompt_len=prompt_len),
-        control=sample(2**-7, prompt_len=prompt_len + 1, shift=1),
-        backoff=1,
-        conversation=label,
-    )
-    play([played], unit)
-    return played
-
-
-def test_a_transfer_far_beyond_the_cold_controls_fails():
-    # A cold twin 1.0 from the decoder alone, where the controls sit at 2^-7.
-    played = pd_transfer_apart_turn("sibling", 2, 640, 933, 256, 512)
-    assert any("the transferred state is wrong" in p for p in played.problems)
-
-
 def play(turns: list[Turn], unit: int, atol: float | None = 0.0):
     for t in turns:
         check_turn(t, Units(block=unit, hit=unit), atol, drops_unit=False)
