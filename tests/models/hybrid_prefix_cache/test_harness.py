@@ -766,6 +766,12 @@ def test_matrix_builds_cases_known_failures_and_params():
     assert marks["plain-block-aligned"].kwargs["seconds"] == case_seconds(
         1, CASE_TURNS, False
     )
+    # A P/D resend costs its two requests on its cell's running servers.
+    pd = {"pd": Deployment(decode=Instance(), prefill=Instance())}
+    resends = Matrix(pd, modes, workloads={"pd-resend": ("pd-block",)})
+    assert resends.cases["pd-block-pd-resend"].turns == 2
+    (mark,) = next(p for p in resends.params() if p.id == "pd-block-pd-resend").marks
+    assert mark.kwargs["seconds"] == case_seconds(2, 2, False)
     params = {
         p.id: p
         for p in matrix.params(
@@ -893,6 +899,31 @@ def test_decoder_transfers_what_its_own_cache_does_not_hold():
     assert "moved by 0, expected 1" in why
     (why,) = harness.decoder_problems(769, 769, 0, 512)
     assert "beyond the 768 it loads" in why
+
+
+def test_a_resends_decoder_hits_by_the_rule_of_its_role():
+    pd = Deployment(decode=Instance(), prefill=Instance())
+    block, partial = Units(block=128, hit=128), Units(block=128, hit=64)
+    # A drafter that drops a unit (only drops_unit is read).
+    dspark = SimpleNamespace(drops_unit=True)
+    # The prefiller's part of 385 tokens ends on a block: the decoder loaded
+    # three whole blocks, and the prompt's checkpoint is their end.
+    assert harness.decoder_resend_hit(385, block, Mode(), pd) == 384
+    assert (
+        harness.decoder_resend_hit(385, partial, Mode(prefix_match_unit=64), pd) == 384
+    )
+    # A prompt on a block: the decoder loaded 383 tokens, two whole blocks,
+    # and holds no state at the partial checkpoint 320.
+    assert (
+        harness.decoder_resend_hit(384, partial, Mode(prefix_match_unit=64), pd) == 256
+    )
+    # A drafter's proof unit: the checkpoint 320 of 385, then its block 256.
+    assert harness.decoder_resend_hit(385, partial, dspark, pd) == 256
+    # A decoder without a prefix cache, or whose cache is reset, hits 0.
+    nocache = replace(pd, decode=Instance(prefix_caching=False))
+    assert harness.decoder_resend_hit(385, block, Mode(), nocache) == 0
+    offload = replace(pd, offload=True)
+    assert harness.decoder_resend_hit(385, block, Mode(), offload) == 0
 
 
 def test_eviction_problems_take_the_least_group():

@@ -516,7 +516,9 @@ def test_pd_resend(tiny_model, cpu_binding, cell_id: str) -> None:
     cache backoff, nixl/base_scheduler.py _truncate_request_for_prefill)
     ends on a block, so that every block of it is cached there, and of the
     reference one. Each is answered and hits its own checkpoint on the
-    prefiller (harness.expected_resend of the prompt the prefiller sees)."""
+    prefiller (harness.expected_resend of the prompt the prefiller sees),
+    and the decoder's own cache hits what the rule of its role says
+    (harness.decoder_resend_hit), as the real-server case holds it."""
     cell = cell_of(cell_id, cpu_binding)
     for kda, alignment in kda_checkpoints(cell).items():
         engines = engines_of(cell, tiny_model, cpu_binding, kda_checkpoint=alignment)
@@ -535,6 +537,16 @@ def test_pd_resend(tiny_model, cpu_binding, cell_id: str) -> None:
             rows, problems = tier.case_problems(
                 servers, results, units, cell.mode, cell.deployment
             )
+            resend = results[-1]
+            expected = harness.decoder_resend_hit(
+                prompt_len, units, cell.mode, cell.deployment
+            )
+            if resend.decoder_hit != expected:
+                problems.append(
+                    f"resend of {prompt_len} tokens: the decoder's own cache hit "
+                    f"{resend.decoder_hit}, its role's rule says {expected} "
+                    f"(harness.decoder_resend_hit)"
+                )
             fail("pd-resend", cell_id, problems, f"{kda}\n" + "\n".join(rows))
 
 

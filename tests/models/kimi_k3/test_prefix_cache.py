@@ -206,24 +206,37 @@ BINDING = Binding(
 # The workloads beside the conversation, on each cell's running servers, where
 # a case costs less than the cell's server start. By the 4xB200 step's
 # measurement (harness.matrix: a start of 80 s per server, a turn with its
-# recompute 27 s, settling 15 s), a first prompt that ends on a block and the
-# next turn, which resumes from its checkpoint (vLLM #44599 and #51094: a
-# state restored at an aligned boundary had consumed the last prompt token),
-# take 2 x 27 + 15 = 69 s per server; the siblings of a shared prefix (four
-# turns, 123 s) do not fit, nor any other workload, and the scheduler tier
-# replays each for every cell instead (test_scheduler_workloads.py). The
-# aligned prompt goes where no tier on B200 sent one (offload and P/D), less:
+# recompute 27 s, settling 15 s), each of these takes 2 x 27 + 15 = 69 s per
+# server:
+# - a first prompt that ends on a block and the next turn, which resumes from
+#   its checkpoint (vLLM #44599 and #51094: a state restored at an aligned
+#   boundary had consumed the last prompt token), where no tier on B200 sent
+#   one (offload and P/D);
+# - on the P/D cells, an exact resend of a prompt whose part the prefiller
+#   sees ends on a block (vLLM #53514: a resend fully cached on the prefiller
+#   gave an HTTP 500 and a dead engine), its cold request and the resend,
+#   with the decoder's own hit held to the rule of its role
+#   (harness.decoder_resend_hit: the prompt's checkpoint on pd, nothing on
+#   pd-tp2-dep2, whose decoder keeps no prefix cache, nor on pd-offload,
+#   whose device caches are reset before every turn; vLLM #42547).
+# The siblings of a shared prefix (four turns, 123 s) do not fit, nor any
+# other workload, and the scheduler tier replays each for every cell instead
+# (test_scheduler_workloads.py). Left out:
 # - dcp2-offload-partial: the scheduler tier finds its checkpoint lost on the
 #   host (test_scheduler_workloads.KNOWN); it joins, listed with its
 #   evidence, once a B200 run has shown how it fails there;
 # - the cells whose engine dies on its first decode (KNOWN["sm100"], vLLM
 #   #59392): a case after the crash would start their servers again.
+PD_DEPLOYMENTS = ("pd", "pd-tp2-dep2", "pd-offload")
 WORKLOADS = {
     "aligned": tuple(
         f"{deployment}-{mode}"
-        for deployment in ("offload", "dcp2-offload", "pd", "pd-tp2-dep2", "pd-offload")
+        for deployment in ("offload", "dcp2-offload", *PD_DEPLOYMENTS)
         for mode in MODES
         if f"{deployment}-{mode}" not in (*KNOWN["sm100"], "dcp2-offload-partial")
+    ),
+    "pd-resend": tuple(
+        f"{deployment}-{mode}" for deployment in PD_DEPLOYMENTS for mode in MODES
     ),
 }
 MATRIX = Matrix(

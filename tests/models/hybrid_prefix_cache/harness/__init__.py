@@ -225,6 +225,7 @@ from tests.models.hybrid_prefix_cache.harness.reconcile import (  # noqa: F401
     counter_problems,
     decoder_problems,
     decoder_pulls,
+    decoder_resend_hit,
     expected_requests,
     ledger_entry,
 )

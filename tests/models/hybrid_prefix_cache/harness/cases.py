@@ -52,7 +52,6 @@ from tests.models.hybrid_prefix_cache.harness.oracle import (
     NUM_TURNS,
     PlannedTurn,
     Turn,
-    expected_resend,
 )
 from tests.models.hybrid_prefix_cache.harness.reconcile import (
     FIRST_TOKENS,
@@ -60,6 +59,7 @@ from tests.models.hybrid_prefix_cache.harness.reconcile import (
     REQUESTS_DONE,
     aborted_entry,
     counter_deltas,
+    decoder_resend_hit,
 )
 from tests.models.hybrid_prefix_cache.harness.records import CaseRecord, reported_case
 from tests.models.hybrid_prefix_cache.harness.servers import ServerPool
@@ -356,7 +356,9 @@ def run_resend(
         play_turn(play, resend, prompt, salt)
         finish_turns(play, record.turns)
         if workload == "pd-resend":
-            resend.problems += decoder_resend_problems(resend, play.units, mode)
+            resend.problems += decoder_resend_problems(
+                resend, play.units, mode, deployment
+            )
         if workload is not None and any(turn.problems for turn in record.turns):
             record.problems.append(
                 f"{workload}: {WORKLOADS[workload].holds} (a {prompt_len}-token prompt)"
@@ -739,25 +741,30 @@ def run_workload(
     return run.record
 
 
-def decoder_resend_problems(resend: Turn, units: Units, mode: Mode) -> list[str]:
-    """A P/D resend's decoder already holds the prompt: its decode leg of
-    the same prompt and salt loaded and cached every block the prefiller
-    sent (Scheduler._update_waiting_for_remote_kv caches them once they
-    arrive), so it hits the resent prompt's own checkpoint as any instance
-    does (:func:`expected_resend` of the whole prompt, which it sees); a
-    decoder that hashed nothing would hit 0 (vLLM #42547)."""
+def decoder_resend_problems(
+    resend: Turn, units: Units, mode: Mode, deployment: Deployment
+) -> list[str]:
+    """A P/D resend's decoder hits in its own cache what the rule of its
+    role says (:func:`decoder_resend_hit`): the prompt's checkpoint where it
+    caches what its decode of the same prompt loaded, nothing where it
+    keeps no cache or its cache was reset."""
     assert resend.output is not None
     hit = resend.output.decoder_hit
     # The decoder serves the same model in the same mode: the units its
     # prefiller reported.
-    expected = expected_resend(resend.prompt_len, units.hit, mode.drops_unit)
+    expected = decoder_resend_hit(resend.prompt_len, units, mode, deployment)
     if hit == expected:
         return []
-    return [
-        f"resend: the decoder's own cache hit {hit} tokens, not the resent "
-        f"{resend.prompt_len}-token prompt's checkpoint {expected} that its "
-        f"decode of the same prompt cached"
-    ]
+    if expected:
+        why = (
+            f"{expected}, what its decode of the same {resend.prompt_len}-token "
+            f"prompt cached up to the resend's checkpoint"
+        )
+    elif deployment.offload:
+        why = "0: its device cache was reset before the resend"
+    else:
+        why = "0: it keeps no prefix cache"
+    return [f"resend: the decoder's own cache hit {hit} tokens, not {why}"]
 
 
 def pd_resend_length(units: Units) -> int:

@@ -133,7 +133,9 @@ class Case:
     @property
     def turns(self) -> int:
         """The requests it plays with their recomputes: its growing turns,
-        and the resend if it has one."""
+        and the resend if it has one, or its workload's own count."""
+        if self.workload is not None and WORKLOADS[self.workload].turns:
+            return WORKLOADS[self.workload].turns
         return self.num_turns + self.resend
 
     @property

@@ -11,9 +11,11 @@ from dataclasses import dataclass
 
 from tests.models.hybrid_prefix_cache.harness.deployment import (
     PD_PREFILL_BACKOFF,
+    Deployment,
     Mode,
+    Units,
 )
-from tests.models.hybrid_prefix_cache.harness.oracle import Turn
+from tests.models.hybrid_prefix_cache.harness.oracle import Turn, expected_resend
 
 # Prometheus counters the oracle reconciles, by role.
 PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
@@ -103,6 +105,39 @@ def decoder_pulls(prompt_len: int, local_hit: float) -> float:
     NixlPullScheduler.get_num_new_matched_tokens, with base_scheduler.py
     _get_remote_prefill_token_count); nothing if that is not positive."""
     return max(prompt_len - PD_PREFILL_BACKOFF - local_hit, 0)
+
+
+def decoder_resend_hit(
+    prompt_len: int, units: Units, mode: Mode, deployment: Deployment
+) -> int:
+    """What a P/D resend's decoder hits in its own cache, from what its
+    decode leg of the same prompt and salt cached:
+
+    * once the KV of the prompt less PD_PREFILL_BACKOFF arrived, the whole
+      blocks of it, so states at block ends only (v1/core/sched/scheduler.py
+      Scheduler._update_waiting_for_remote_kv caches up to the loaded
+      tokens; v1/core/single_type_kv_cache_manager.py
+      SingleTypeKVCacheManager.cache_blocks caches only full blocks, and
+      MambaManager._cache_partial_tail_block a state inside a block only
+      where a chunk the instance computed itself ended);
+    * nothing deeper from the backoff tokens it computes itself: they end at
+      the prompt's end, past its checkpoint.
+
+    Its lookup resumes at a state no deeper than the resent prompt's own
+    checkpoint (oracle.expected_resend, of the whole prompt, which it sees;
+    with a drafter that drops a unit, the unit past the state is its proof):
+    the last block end within both. A decoder
+    that hashed nothing would hit 0 (vLLM #42547). It hits nothing where it
+    keeps no prefix cache (Instance.prefix_caching) or where its device
+    cache is reset before every turn (Deployment.offload); it then pulls
+    what it needs over NIXL, the first connector of its MultiConnector to
+    match tokens (kv_connector/v1/multi_connector.py
+    MultiConnector.get_num_new_matched_tokens)."""
+    if not deployment.decode.prefix_caching or deployment.offload:
+        return 0
+    loaded = prompt_len - PD_PREFILL_BACKOFF
+    deepest = min(loaded, expected_resend(prompt_len, units.hit, mode.drops_unit))
+    return deepest // units.block * units.block
 
 
 def decoder_problems(

@@ -33,6 +33,9 @@ class Workload:
     # other arguments than its cell's (then its case starts them, after the
     # cell's other cases have used the cell's).
     own_servers: bool = False
+    # On real servers, the requests it plays with their recomputes where it
+    # plays no conversation of the cell's turns (its cost, Case.turns).
+    turns: int | None = None
 
 
 WORKLOADS = {
@@ -95,6 +98,9 @@ WORKLOADS = {
             "get_mamba_prefill_checkpoint_position, nixl/pull_scheduler.py "
             "NixlPullScheduler.get_num_new_matched_tokens (the decoder pulls "
             "what its own cache does not hold)",
+            # A cold request, then the resend with its recompute
+            # (cases.run_resend).
+            turns=2,
         ),
         Workload(
             "async",

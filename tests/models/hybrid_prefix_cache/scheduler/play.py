@@ -24,17 +24,21 @@ class TurnResult:
     hit: int
     # None where the harness sends no recompute (a resend's cold request).
     recompute_hit: int | None
+    # Under P/D, the decoder's own prefix-cache hit for its decode leg (its
+    # prefix_cache_hits delta, as harness.send reads it).
+    decoder_hit: int | None = None
 
 
 def send(
     servers: Sequence[ReplayServer], prompt: list[int], salt: str
-) -> tuple[Completion, int]:
+) -> tuple[Completion, int, int | None]:
     """One turn's request through the deployment, as harness.send sends it:
-    the returned hit is the prefiller's under P/D."""
+    the returned hit is the prefiller's under P/D, and with it the
+    decoder's own hit for its decode leg."""
     if len(servers) == 1:
         completion = servers[0].complete(prompt, salt)
         assert completion.cached_tokens is not None
-        return completion, completion.cached_tokens
+        return completion, completion.cached_tokens, None
     prefiller, decoder = servers
     prefill = prefiller.complete(
         prompt,
@@ -44,11 +48,13 @@ def send(
     )
     assert prefill.kv_transfer_params, "the prefiller returned no kv_transfer_params"
     sent = prefill.kv_transfer_params
+    before = decoder.moved[harness.PREFIX_HITS] or 0.0
     decode = decoder.complete(prompt, salt, kv_transfer_params=sent)
+    decoder_hit = int((decoder.moved[harness.PREFIX_HITS] or 0.0) - before)
     # The prefiller frees the transferred blocks once the decoder read them.
     prefiller.drain()
     assert prefill.cached_tokens is not None
-    return decode, prefill.cached_tokens
+    return decode, prefill.cached_tokens, decoder_hit
 
 
 def _hit_and_recompute(
@@ -57,18 +63,18 @@ def _hit_and_recompute(
     prompt: list[int],
     salt: str,
     recompute_salt: str,
-) -> tuple[Completion, int, int]:
+) -> tuple[Completion, int, int, int | None]:
     """A hit request as harness.send_turn sends it (the offload tier's
     device caches reset first, so the hit comes from host memory), then its
     recompute on the last server under ``recompute_salt``: the output, the
-    hit and the recompute's hit."""
+    hit, the recompute's hit and (under P/D) the decoder's own hit."""
     if deployment.offload:
         for server in servers:
             server.reset_prefix_cache()
-    output, hit = send(servers, prompt, salt)
+    output, hit, decoder_hit = send(servers, prompt, salt)
     recompute = servers[-1].complete(prompt, recompute_salt)
     assert recompute.cached_tokens is not None
-    return output, hit, recompute.cached_tokens
+    return output, hit, recompute.cached_tokens, decoder_hit
 
 
 def play_conversations(
@@ -107,7 +113,7 @@ def play_conversations(
                 conv, _, salt, prompt = state
                 planned = plan[index]
                 assert planned.prompt_len == len(prompt), "the plan and the prompt"
-                output, hit, recomputed = _hit_and_recompute(
+                output, hit, recomputed, _ = _hit_and_recompute(
                     servers, deployment, prompt, salt, f"recompute-{salt}-{index}"
                 )
                 results.append(TurnResult(conv.label, planned, hit, recomputed))
@@ -184,13 +190,14 @@ def play_resend(
     prompt = harness.random_tokens(random.Random(seed), token_ids, prompt_len)
     salt = f"resend-{seed}"
     results = []
-    _, cold = send(servers, prompt, salt)
-    results.append(TurnResult("", harness.PlannedTurn(0, prompt_len, 0), cold, None))
-    _, hit, recomputed = _hit_and_recompute(
+    _, cold, decoder_hit = send(servers, prompt, salt)
+    planned = harness.PlannedTurn(0, prompt_len, 0)
+    results.append(TurnResult("", planned, cold, None, decoder_hit))
+    _, hit, recomputed, decoder_hit = _hit_and_recompute(
         servers, deployment, prompt, salt, f"recompute-{seed}"
     )
     resend = harness.PlannedTurn(1, prompt_len, prompt_len, resend=True)
-    results.append(TurnResult("", resend, hit, recomputed))
+    results.append(TurnResult("", resend, hit, recomputed, decoder_hit))
     for server in servers:
         server.drain()
     return results

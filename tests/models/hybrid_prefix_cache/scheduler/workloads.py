@@ -47,7 +47,7 @@ def play_siblings(
     siblings = []
     for index in range(harness.NUM_SIBLINGS):
         prompt = shared + harness.random_tokens(rng, token_ids, tail)
-        _, hit = send(servers, prompt, f"siblings-{seed}")
+        _, hit, _ = send(servers, prompt, f"siblings-{seed}")
         recompute = servers[-1].complete(prompt, f"recompute-{seed}-{index}")
         assert recompute.cached_tokens is not None
         siblings.append(Sibling(len(prompt), hit, recompute.cached_tokens))
@@ -119,7 +119,7 @@ def play_abort_retry(
     first.ledger += harness.ledger_entry(prompt_len, 0, sent)
     if not race:
         first.drain()
-    _, hit, recomputed = _hit_and_recompute(
+    _, hit, recomputed, _ = _hit_and_recompute(
         servers, deployment, prompt, salt, f"recompute-{seed}"
     )
     for server in servers:
@@ -260,7 +260,7 @@ def play_eviction(
     first_len = harness.reference_conversation(units, seed).first_len
     salt = f"eviction-{seed}"
     prompt = harness.random_tokens(rng, token_ids, first_len)
-    output, _ = send(servers, prompt, salt)
+    output, _, _ = send(servers, prompt, salt)
     grown = harness.grown_prompt(rng, token_ids, prompt, output.token_ids)
     for server in servers:
         server.drain()
@@ -288,7 +288,7 @@ def play_eviction(
         send(servers, harness.random_tokens(rng, token_ids, filler), f"pad-{rank}")
     held = per_group_hits(servers[0], grown, salt)
     local_before = servers[0].moved[harness.PREFIX_HITS] or 0
-    _, hit = send(servers, grown, salt)
+    _, hit, _ = send(servers, grown, salt)
     local_hit = int((servers[0].moved[harness.PREFIX_HITS] or 0) - local_before)
     recompute = servers[-1].complete(grown, f"recompute-{seed}")
     assert recompute.cached_tokens is not None
