@@ -154,13 +154,15 @@ def restored_apart_turn(
     return played
 
 
-def branch_apart_turn(units: Units, gap: float) -> Turn:
+def branch_apart_turn(units: Units, gap: float, pd: bool = False) -> Turn:
     """A small-budget case's branch that resumed at its block checkpoint
     (harness.branch_checkpoint) and whose logprobs sit ``gap`` from its
-    recompute on the same server; checked by the oracle."""
+    recompute on the same server, or under P/D (``pd``) from its cold twin
+    through the same pair; checked by the oracle."""
     shared, length = branch_lengths(units)
     cached = branch_checkpoint(shared, units, False)
     hit = sample(gap, cached=cached, prompt_len=length)
+    twin = {"twin": sample(prompt_len=length), "backoff": 1} if pd else {}
     played = turn(
         0,
         shared,
@@ -169,6 +171,7 @@ def branch_apart_turn(units: Units, gap: float) -> Turn:
         hit,
         sample(prompt_len=length),
         conversation="branch",
+        **twin,
     )
     played.expected = cached
     check_turn(played, units, 0.0)
