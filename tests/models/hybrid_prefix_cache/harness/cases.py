@@ -745,9 +745,9 @@ def decoder_resend_problems(
     resend: Turn, units: Units, mode: Mode, deployment: Deployment
 ) -> list[str]:
     """A P/D resend's decoder hits in its own cache what the rule of its
-    role says (:func:`decoder_resend_hit`): the prompt's checkpoint where it
-    caches what its decode of the same prompt loaded, nothing where it
-    keeps no cache or its cache was reset."""
+    role says (:func:`decoder_resend_hit`): the last block end of what its
+    decode of the same prompt loaded, within the resend's checkpoint, or
+    nothing where it keeps no cache or its cache was reset."""
     assert resend.output is not None
     hit = resend.output.decoder_hit
     # The decoder serves the same model in the same mode: the units its

@@ -126,12 +126,12 @@ def decoder_resend_hit(
     Its lookup resumes at a state no deeper than the resent prompt's own
     checkpoint (oracle.expected_resend, of the whole prompt, which it sees;
     with a drafter that drops a unit, the unit past the state is its proof):
-    the last block end within both. A decoder
-    that hashed nothing would hit 0 (vLLM #42547). It hits nothing where it
-    keeps no prefix cache (Instance.prefix_caching) or where its device
-    cache is reset before every turn (Deployment.offload); it then pulls
-    what it needs over NIXL, the first connector of its MultiConnector to
-    match tokens (kv_connector/v1/multi_connector.py
+    the last block end within both. A decoder that hashed nothing would hit
+    0 (vLLM #42547). It hits nothing where it keeps no prefix cache
+    (Instance.prefix_caching) or where its device cache is reset before
+    every turn (Deployment.offload); it then pulls what it needs over NIXL,
+    the first connector of its MultiConnector to match tokens
+    (kv_connector/v1/multi_connector.py
     MultiConnector.get_num_new_matched_tokens)."""
     if not deployment.decode.prefix_caching or deployment.offload:
         return 0
