@@ -154,14 +154,21 @@ def restored_apart_turn(
     return played
 
 
-def branch_apart_turn(units: Units, gap: float, pd: bool = False) -> Turn:
+def branch_apart_turn(
+    units: Units, gap: float, pd: bool = False, parts_at: int | None = None
+) -> Turn:
     """A small-budget case's branch that resumed at its block checkpoint
     (harness.branch_checkpoint) and whose logprobs sit ``gap`` from its
     recompute on the same server, or under P/D (``pd``) from its cold twin
-    through the same pair; checked by the oracle."""
+    through the same pair, or (``parts_at``) that takes the runner-up there;
+    checked by the oracle."""
     shared, length = branch_lengths(units)
     cached = branch_checkpoint(shared, units, False)
     hit = sample(gap, cached=cached, prompt_len=length)
+    if parts_at is not None:
+        hit.token_ids[parts_at] = RUNNER_UP
+        lp = hit.token_logprobs[parts_at]
+        hit.top_logprobs[parts_at] = {RUNNER_UP: lp, TOKENS[parts_at]: lp - gap}
     twin = {"twin": sample(prompt_len=length), "backoff": 1} if pd else {}
     played = turn(
         0,
