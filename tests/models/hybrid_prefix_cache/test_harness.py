@@ -315,12 +315,15 @@ def test_counter_rule_catches_over_reported_usage():
     assert len(problems) == 1 and "usage and the server's own counters" in problems[0]
 
 
-def _routed(recompute: bool = True, twin: bool = False, control: bool = False):
+def _routed(
+    recompute: bool = True, twin: bool = False, control: bool = False, more: int = 0
+):
     sent = object()
     return SimpleNamespace(
         recompute=sent if recompute else None,
         twin=sent if twin else None,
         control=sent if control else None,
+        more_controls=[sent] * more,
     )
 
 
@@ -334,6 +337,9 @@ def test_expected_requests_route_the_recompute_to_the_decoder():
     assert expected_requests(1, [_routed(control=True)] * 4) == [12]
     # P/D: the cold twin through both, recompute and control to the decoder.
     assert expected_requests(2, [_routed(twin=True, control=True)] * 4) == [8, 16]
+    # A P/D case of one turn, its path noise measured on further controls:
+    # each goes to the decoder alone.
+    assert expected_requests(2, [_routed(twin=True, control=True, more=3)]) == [2, 7]
 
 
 @pytest.mark.parametrize(

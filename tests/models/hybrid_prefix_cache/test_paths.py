@@ -10,6 +10,7 @@ import pytest
 
 from tests.models.hybrid_prefix_cache.harness import (
     PATH_NOISE_MARGIN,
+    PATH_NOISE_MIN_PAIRS,
     TURN_TOKENS,
     Sample,
     Turn,
@@ -18,7 +19,9 @@ from tests.models.hybrid_prefix_cache.harness import (
     branch_lengths,
     check_paths,
     check_turn,
+    cold_pairs,
     compare,
+    control_shifts,
     expected_cached,
     expected_resend,
     hit_bound,
@@ -253,6 +256,45 @@ def test_a_transfer_beyond_the_path_noise_fails_naming_the_transferred_state():
     assert len(problems) == 1 and "turn 0" in problems[0]
     assert "transferred state is wrong" in problems[0]
     assert "restored state" not in problems[0]
+
+
+def shifts_of(turns: list[Turn]) -> list[tuple[int, int]]:
+    return [(t.index, shift) for t, shift in control_shifts(turns)]
+
+
+def test_a_case_short_of_cold_pairs_takes_further_controls_last_turn_first():
+    assert PATH_NOISE_MIN_PAIRS == 4
+    # One P/D turn (an abort's retry, a resend): three more, each one token
+    # further into its recompute.
+    assert shifts_of(intel_pd_turns()[:1]) == [(0, 2), (0, 3), (0, 4)]
+    # Two turns: one more each, the last turn first.
+    assert shifts_of(intel_pd_turns()[:2]) == [(1, 2), (0, 2)]
+    assert shifts_of(intel_pd_turns()) == [(2, 2)]
+
+
+def test_a_further_control_pairs_with_its_recompute_that_many_tokens_on():
+    (one,) = intel_pd_turns()[:1]
+    for _, shift in control_shifts([one]):
+        one.more_controls.append(sample(prompt_len=805 + shift, shift=shift))
+    pairs = cold_pairs(one)
+    assert len(pairs) == PATH_NOISE_MIN_PAIRS
+    for shift, (rec, control) in enumerate(pairs, start=1):
+        assert rec.token_ids == TOKENS[shift:] == control.token_ids
+    # Its controls are counted: none more is asked for.
+    assert control_shifts([one]) == []
+
+
+def test_enough_pairs_or_no_control_take_no_further_controls():
+    # Batched turns have their twins as pairs; a plain turn has no control.
+    assert control_shifts(intel_batched_turns()) == []
+    assert control_shifts([turn(0, 0, 805, 256, sample(), sample())]) == []
+
+
+def test_further_controls_leave_a_token_of_the_recompute_to_compare():
+    short = sample(tokens=TOKENS[:3])
+    (one,) = intel_pd_turns()[:1]
+    one.recompute = short
+    assert shifts_of([one]) == [(0, 2)]
 
 
 def test_a_cold_turn_apart_on_one_path_is_not_called_a_restored_state():

@@ -34,7 +34,8 @@ The oracle, per turn (:func:`check_turn`):
   the binding's tolerance, 0 on CPU; across paths (a batched hit against its
   batched recompute, and under P/D the transfer check: the cold twin against
   the decoder alone), within :data:`PATH_NOISE_MARGIN` times the largest gap
-  of the case's cold controls (:func:`check_paths`), a parting whose chosen
+  of the case's cold controls, at least :data:`PATH_NOISE_MIN_PAIRS` of them
+  (:func:`check_paths`, :func:`control_shifts`), a parting whose chosen
   tokens move by no more than that tolerance being a near tie, no failure
   (:func:`near_tie`); where no tolerance is measured (GPUs),
   ``check_logprobs_close`` decides;
@@ -142,6 +143,7 @@ from tests.models.hybrid_prefix_cache.harness.conversation import (  # noqa: F40
     finish_turns,
     fresh_salt,
     grown_prompt,
+    measure_path_noise,
     planned_turn,
     play_turn,
     random_tokens,
@@ -183,6 +185,7 @@ from tests.models.hybrid_prefix_cache.harness.oracle import (  # noqa: F401
     NUM_LOGPROBS,
     NUM_TURNS,
     PATH_NOISE_MARGIN,
+    PATH_NOISE_MIN_PAIRS,
     TURN_TOKENS,
     Comparison,
     PathNoise,
@@ -193,6 +196,7 @@ from tests.models.hybrid_prefix_cache.harness.oracle import (  # noqa: F401
     check_turn,
     cold_pairs,
     compare,
+    control_shifts,
     expectation,
     expected_cached,
     expected_resend,

@@ -34,6 +34,7 @@ from tests.models.hybrid_prefix_cache.harness.oracle import (
     Turn,
     check_paths,
     check_turn,
+    control_shifts,
     expectation,
     plan_turns,
 )
@@ -194,9 +195,27 @@ def play_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
     recompute_turn(play, turn)
 
 
+def measure_path_noise(play: Play, turns: Sequence[Turn]) -> None:
+    """Send the further cold controls that ``turns`` need to measure the
+    case's path noise on PATH_NOISE_MIN_PAIRS pairs (oracle.control_shifts):
+    each on the decoder alone, under a fresh salt, the turn's prompt and the
+    first tokens of its recompute."""
+    decoder, model = play.servers[-1], play.binding.model
+    for turn, shift in control_shifts(turns):
+        assert turn.recompute is not None
+        start = time.monotonic()
+        extended = [*turn.prompt, *turn.recompute.token_ids[:shift]]
+        turn.more_controls.append(
+            complete(decoder, model, extended, fresh_salt("control"))
+        )
+        turn.seconds += time.monotonic() - start
+
+
 def finish_turns(play: Play, turns: Sequence[Turn]) -> None:
-    """Once every turn of a case is played: hold its comparisons across
-    paths to the noise of its cold controls (oracle.check_paths)."""
+    """Once every turn of a case is played: measure its path noise on
+    enough cold controls (:func:`measure_path_noise`), then hold its
+    comparisons across paths to it (oracle.check_paths)."""
+    measure_path_noise(play, turns)
     play.noise = check_paths(
         turns, play.logprob_atol, play.deployment.compares_logprobs
     )

@@ -148,6 +148,17 @@ def expectation(
 # a wrong state; a cross-path one catches a gross one (a decoder that reads
 # another block's transferred state).
 PATH_NOISE_MARGIN = 4
+# A case's largest cold gap bounds its cross-path gaps only if it is taken
+# over enough pairs: the noise is heavy-tailed (most positions of a pair
+# within 2^-8, one in several a few times 2^-5). So a case measures it on at
+# least as many cold control pairs as the reference conversation has turns
+# (NUM_TURNS and its resend), taking more of them where it has fewer (under
+# P/D, controls shifted further into its recompute, conversation.
+# measure_path_noise). On an Intel Xeon with AVX512-BF16 and no AMX, a P/D
+# case of one turn measured 0.0065 on its one pair while its cold twin stood
+# 0.058 from the decoder alone, a gap of the size its servers' reference case
+# measured (0.11 over 4 pairs).
+PATH_NOISE_MIN_PAIRS = 4
 
 
 @dataclass(frozen=True)
@@ -217,6 +228,10 @@ class Turn:
     # first logprob comes from the prefill path where the recompute's second
     # came from the decode path.
     control: Sample | None = None
+    # More of them, where a case has fewer than PATH_NOISE_MIN_PAIRS cold
+    # control pairs: the i-th on the prompt and the recompute's first i + 2
+    # tokens.
+    more_controls: list[Sample] = field(default_factory=list)
     batched: bool = False
     seconds: float = 0.0
     problems: list[str] = field(default_factory=list)
@@ -355,7 +370,8 @@ def cold_pairs(turn: Turn) -> list[tuple[Sample, Sample]]:
     recompute from its second token on against the control: the same
     context, one token computed in the decode path against the prefill
     path, as a P/D decoder computes the last prompt token against the
-    decoder alone (no transfer on either side).
+    decoder alone (no transfer on either side); and so on for each of its
+    ``more_controls``, one token further each.
     """
     rec = turn.recompute
     if rec is None:
@@ -365,7 +381,38 @@ def cold_pairs(turn: Turn) -> list[tuple[Sample, Sample]]:
         if turn.output is not None and turn.restored == 0:
             pairs.append((turn.output, rec))
         return pairs
-    return [] if turn.control is None else [(rec.shifted(1), turn.control)]
+    if turn.control is None:
+        return []
+    controls = [turn.control, *turn.more_controls]
+    return [(rec.shifted(shift), c) for shift, c in enumerate(controls, start=1)]
+
+
+def control_shifts(turns: Sequence[Turn]) -> list[tuple[Turn, int]]:
+    """The further controls that a case of ``turns`` needs to reach
+    PATH_NOISE_MIN_PAIRS cold control pairs: (the turn, how many tokens of
+    its recompute the control's prompt takes), taken round the turns that
+    have a P/D control, the last first, one token further each round, and
+    leaving at least one of the recompute's tokens to compare. None where
+    the case has enough pairs or no such turn."""
+    missing = PATH_NOISE_MIN_PAIRS - sum(len(cold_pairs(turn)) for turn in turns)
+    eligible = [
+        (turn, len(turn.recompute.token_ids))
+        for turn in reversed(turns)
+        if turn.recompute is not None and turn.control is not None
+    ]
+    shifts: list[tuple[Turn, int]] = []
+    further = 0
+    while len(shifts) < missing:
+        round_ = [
+            (turn, shift)
+            for turn, tokens in eligible
+            if (shift := 2 + len(turn.more_controls) + further) < tokens
+        ]
+        if not round_:
+            break
+        shifts += round_[: missing - len(shifts)]
+        further += 1
+    return shifts
 
 
 def pairs_noise(pairs: Sequence[tuple[Sample, Sample]]) -> PathNoise | None:

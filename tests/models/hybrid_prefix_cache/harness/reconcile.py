@@ -230,11 +230,14 @@ def expected_requests(num_servers: int, turns: Sequence["Turn"]) -> list[int]:
     """How many completions each server of a case must have finished: every
     turn's request, and under P/D its cold twin, goes through the deployment
     (a prefill leg on the prefiller, a decode leg on the decoder); its
-    recompute and its control go to the decoder alone, which computes the
+    recompute and its controls go to the decoder alone, which computes the
     whole prompt itself."""
     through = sum(1 + (turn.twin is not None) for turn in turns)
     alone = sum(
-        (turn.recompute is not None) + (turn.control is not None) for turn in turns
+        (turn.recompute is not None)
+        + (turn.control is not None)
+        + len(turn.more_controls)
+        for turn in turns
     )
     if num_servers == 1:
         return [through + alone]

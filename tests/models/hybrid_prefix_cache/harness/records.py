@@ -178,6 +178,7 @@ class CaseRecord:
                     "recompute": sample(t.recompute),
                     "twin": sample(t.twin),
                     "control": sample(t.control),
+                    "more_controls": [sample(c) for c in t.more_controls],
                     "batched": t.batched,
                     "comparisons": [vars(c) for c in t.comparisons],
                     "problems": t.problems,
