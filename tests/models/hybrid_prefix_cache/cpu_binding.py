@@ -29,6 +29,7 @@ from tests.models.hybrid_prefix_cache.harness import (
     multi_connector,
     reference_conversation,
     server_args,
+    server_specs,
     with_serve_args,
 )
 from tests.models.hybrid_prefix_cache.scheduler import (
@@ -206,38 +207,44 @@ def resolved_budget(binding: Binding, deployment: Deployment, mode: Mode) -> int
     return config.scheduler_config.max_num_batched_tokens
 
 
-def eviction_plan(binding: Binding, mode: Mode, seed: str) -> EvictionPlan:
-    """The plain deployment's eviction case in ``mode`` (harness.run_eviction),
-    replayed first through vLLM's own scheduler on the engine that exactly
+def eviction_plan(
+    binding: Binding, deployment: Deployment, mode: Mode, seed: str
+) -> EvictionPlan:
+    """``deployment``'s eviction case in ``mode`` (harness.run_eviction),
+    replayed first through vLLM's own scheduler on the engines that exactly
     its servers' arguments and environment build in-process (the scheduler
-    tier's ``cpu_engine``; vLLM's scheduler and KV cache manager, stand-in
-    workers): the model's length cut to the workload's longest request
-    (harness.eviction_max_len), a pool of EVICTION_POOL_REQUESTS times the
-    most blocks one request of that length held there, grown until vLLM
-    accepts it and admits the requests (scheduler.sized_eviction, as the
-    scheduler tier's eviction case sizes it), and the conversation played
-    under pressure (scheduler.play_eviction, the lengths that
-    run_eviction plays). The CPU worker sizes its pool from
-    --kv-cache-memory-bytes, the same bytes a block as the default pool."""
-    deployment = DEPLOYMENTS["plain"]
-    env = {**binding.env, **deployment.decode.env}
+    tier's ``cpu_engine``, one per instance, under P/D a prefiller and a
+    decoder introduced to each other; vLLM's scheduler, KV cache manager and
+    connector scheduler sides, stand-in workers): the model's length cut to
+    the workload's longest request (harness.eviction_max_len), a pool of
+    EVICTION_POOL_REQUESTS times the most blocks one request of that length
+    held on the instance that consults its cache (the prefiller under P/D),
+    given to every instance and grown until vLLM accepts it and admits the
+    requests (scheduler.sized_eviction, as the scheduler tier's eviction
+    case sizes it), and the conversation played under pressure
+    (scheduler.play_eviction, the lengths and route that run_eviction
+    plays). The CPU worker sizes its pool from --kv-cache-memory-bytes, the
+    same bytes a block as the default pool. Under P/D the prefiller looks
+    its hit up with the connector's lookup
+    (KVCacheManager.get_computed_blocks_for_connector, the path of vLLM
+    #46453), which a plain server never takes."""
     units = resolved_units(binding, mode)
     max_len = eviction_max_len(
         reference_conversation(units, seed).first_len, MAX_TOKENS
     )
 
     def servers(args: tuple[str, ...]):
-        served = with_serve_args(deployment, args).decode
-        engine = cpu_engine(binding.model, server_args(binding, served, mode), env)
-        return engine, servers_for([engine], deployment, binding.token_ids)
+        specs = server_specs(binding, with_serve_args(deployment, args), mode)
+        engines = [cpu_engine(spec.model, spec.args, dict(spec.env)) for spec in specs]
+        return engines[0], servers_for(engines, deployment, binding.token_ids)
 
-    sizing, (server,) = servers(("--max-model-len", str(max_len)))
+    sizing, played = servers(("--max-model-len", str(max_len)))
     per_block = (
         sizing.vllm_config.cache_config.kv_cache_memory_bytes
         // sizing.kv_cache_config.num_blocks
     )
     request = [binding.token_ids[0]] * (max_len - 1)
-    used = blocks_in_use(server, request, "size")
+    used = blocks_in_use(played[0], request, "size")
     blocks, _, replayed = sized_eviction(
         lambda blocks: servers(eviction_args(max_len, blocks * per_block))[1],
         EVICTION_POOL_REQUESTS * used + 1,
@@ -249,6 +256,7 @@ def eviction_plan(binding: Binding, mode: Mode, seed: str) -> EvictionPlan:
         held_before=replayed.held_before,
         held=replayed.held,
         hit=replayed.hit,
+        decoder_hit=replayed.decoder_hit,
     )
 
 

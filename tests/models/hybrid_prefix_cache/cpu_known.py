@@ -281,8 +281,10 @@ WORKLOADS = {
     # cell's deployment per mode.
     "small-budget": _cells(("plain", "tp2", "pd"), ("block", "partial")),
     # Servers of their own too, whose pool is sized for the workload
-    # (cpu_binding.eviction_plan): one plain start per mode.
-    "eviction": _cells(("plain",), ("block", "partial")),
+    # (cpu_binding.eviction_plan): a start of the cell's deployment per
+    # mode. Under P/D the prefiller's hit is the connector's lookup
+    # (KVCacheManager.get_computed_blocks_for_connector, vLLM #46453).
+    "eviction": _cells(("plain", "pd"), ("block", "partial")),
 }
 MATRIX = Matrix(
     DEPLOYMENTS,

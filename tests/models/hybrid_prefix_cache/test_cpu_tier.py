@@ -70,7 +70,7 @@ def test_prefix_cache(hybrid_suite: Suite, binding: Binding, case_id: str) -> No
             budget = resolved_budget(binding, deployment, mode)
         # The pool and pressure, replayed first by vLLM's scheduler.
         if case.workload == "eviction":
-            eviction = eviction_plan(binding, mode, case_id)
+            eviction = eviction_plan(binding, deployment, mode, case_id)
         record = run_workload(
             hybrid_suite,
             case_id,

@@ -603,24 +603,25 @@ def run_eviction(
 ) -> CaseRecord:
     """A conversation under eviction pressure, on servers of its own whose
     pool ``plan`` sizes, as vLLM's scheduler replayed it in-process on the
-    same engine (:class:`EvictionPlan`): the conversation's first prompt,
+    same engines (:class:`EvictionPlan`): the conversation's first prompt,
     ``plan.pressure`` cold requests under other salts, then its second turn,
-    played as any turn (the hit, then its recompute alone on the same
-    server) under the first prompt's salt. That turn must hit what vLLM's
-    scheduler hit in the replay, and never more than the least that every
-    group still held there (its bound), and match its recompute bit for bit;
-    the server's counters are reconciled with what it reported, as in every
-    case. The case fails where the replay's pressure never reached the
-    conversation: it would test nothing. A failure names the workload's
-    property."""
+    played as any turn under the first prompt's salt (the hit, then its
+    controls: alone, its recompute on the same server; under P/D, its cold
+    twin through the same pair and the decoder alone), every request through
+    the deployment (under P/D each decode leg held to the decoder's rule).
+    That turn must hit what vLLM's scheduler hit in the replay (under P/D,
+    on the prefiller, whose lookup is the connector's), and never more than
+    the least that every group still held there (its bound), and match the
+    control on its own path bit for bit; the servers' counters are
+    reconciled with what they reported, as in every case. The case fails
+    where the replay's pressure never reached the conversation: it would
+    test nothing. A failure names the workload's property."""
     __tracebackhide__ = True
     served = with_serve_args(deployment, plan.args)
     with (
         reported_case(case_id, suite.records) as record,
         serve_case(record, binding, served, mode, suite.pool) as play,
     ):
-        if len(play.servers) != 1:
-            raise ValueError(f"{case_id}: eviction plays one instance")
         if plan.held == plan.held_before:
             record.problems.append(
                 f"eviction: the replay's {plan.pressure} pressure requests evicted "
@@ -635,7 +636,9 @@ def run_eviction(
         salt = fresh_salt("eviction")
         first = Turn("first", 0, first_len, 0, 0, prompt=prompt, salt=salt)
         record.turns.append(first)
-        first.output = send(play.servers, binding.model, prompt, salt)
+        # Under P/D, through the pair as every turn, each decode leg held to
+        # the decoder's rule (client.send).
+        first.output = send(play.servers, binding.model, prompt, salt, first.problems)
         grown = grown_prompt(rng, tokens, prompt, first.output.token_ids)
         filler = eviction_filler(play.units)
         for index in range(plan.pressure):
@@ -643,7 +646,9 @@ def run_eviction(
             pressure = Turn("pressure", index, filler, 0, 0, prompt=other)
             pressure.salt = fresh_salt("pressure")
             record.turns.append(pressure)
-            pressure.output = send(play.servers, binding.model, other, pressure.salt)
+            pressure.output = send(
+                play.servers, binding.model, other, pressure.salt, pressure.problems
+            )
         turn = planned_turn(play, "evicted", PlannedTurn(1, len(grown), first_len))
         # What vLLM's scheduler hit on this pool after this pressure, and
         # the least that every group held then: the hit may not exceed it.
@@ -659,12 +664,25 @@ def run_eviction(
             turn.problems += [
                 f"{who}: {why}" for why in eviction_problems(hit, plan.held)
             ]
+        # Under P/D the decoder's pool is under the same pressure: its own
+        # hit for the decode leg is what the replay's decoder hit.
+        if plan.decoder_hit is not None and turn.output.decoder_hit != plan.decoder_hit:
+            turn.problems.append(
+                f"{turn.name}: the decoder's own cache hit {turn.output.decoder_hit} "
+                f"for its decode leg, vLLM's scheduler replayed on its engine hit "
+                f"{plan.decoder_hit}"
+            )
         finish_turns(play, record.turns)
+        decoder = (
+            ""
+            if plan.decoder_hit is None
+            else f" (the decoder's own cache {plan.decoder_hit})"
+        )
         record.notices.append(
             f"{plan.pressure} pressure requests of {filler} tokens; replayed "
             f"in-process, each group held {list(plan.held_before)} of the next "
             f"turn before them and {list(plan.held)} after, and vLLM's "
-            f"scheduler hit {plan.hit}"
+            f"scheduler hit {plan.hit}{decoder}"
         )
         if not record.ok:
             record.problems.append(

@@ -410,13 +410,16 @@ class EvictionPlan:
     the replay sent before the first eviction reached the conversation,
     each KV cache group's own hit for the conversation's next turn before
     and after them (HybridKVCacheCoordinator.find_longest_cache_hit_per_group),
-    and the hit vLLM's scheduler then gave that turn."""
+    and the hit vLLM's scheduler then gave that turn; under P/D, the groups
+    and the hit are the prefiller's, and ``decoder_hit`` is the decoder's
+    own hit for that turn's decode leg (None without a decoder of its own)."""
 
     args: tuple[str, ...]
     pressure: int
     held_before: tuple[int, ...]
     held: tuple[int, ...]
     hit: int
+    decoder_hit: int | None = None
 
 
 def eviction_args(max_model_len: int, kv_cache_bytes: int) -> tuple[str, ...]:

@@ -243,6 +243,9 @@ class Eviction:
     recompute_hit: int
     # The rounds of pressure requests sent before that turn.
     pressure: int
+    # Under P/D, the decoder's own hit for that turn's decode leg (its
+    # prefix_cache_hits delta, as harness.send reads it).
+    decoder_hit: int | None = None
 
 
 def play_eviction(
@@ -288,7 +291,7 @@ def play_eviction(
         send(servers, harness.random_tokens(rng, token_ids, filler), f"pad-{rank}")
     held = per_group_hits(servers[0], grown, salt)
     local_before = servers[0].moved[harness.PREFIX_HITS] or 0
-    _, hit, _ = send(servers, grown, salt)
+    _, hit, decoder_hit = send(servers, grown, salt)
     local_hit = int((servers[0].moved[harness.PREFIX_HITS] or 0) - local_before)
     recompute = servers[-1].complete(grown, f"recompute-{seed}")
     assert recompute.cached_tokens is not None
@@ -303,6 +306,7 @@ def play_eviction(
         local_hit,
         recompute.cached_tokens,
         pressure,
+        decoder_hit,
     )
 
 
