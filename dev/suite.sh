@@ -38,6 +38,9 @@
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# Where the command was given: the paths that benchmark and reference take
+# (report folders, a record) are the caller's.
+CALLER_DIR=$PWD
 MAIN_TESTS=(
     tests/models/hybrid_prefix_cache/test_cpu_tier.py
     tests/models/hybrid_prefix_cache/test_cpu_tier_wide_kv.py
@@ -222,7 +225,9 @@ fi
 if [ "$job" = benchmark ] || [ "$job" = reference ]; then
     script=benchmark_cpu_tier.py
     [ "$job" = benchmark ] || script=float32_reference.py
-    # -P: not dev/ first on sys.path, where dev/tests would shadow tests/.
+    # -P: not dev/ first on sys.path, where dev/tests would shadow tests/;
+    # the checkout is on PYTHONPATH, so it runs from the caller's folder.
+    cd "$CALLER_DIR"
     exec env PYTHONPATH="$CHECKOUT${PYTHONPATH:+:$PYTHONPATH}" \
         python -P "$REPO/dev/$script" "$@"
 fi
