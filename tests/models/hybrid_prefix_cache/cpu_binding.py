@@ -100,9 +100,13 @@ NIXL_PROGRESS = {
     "PYTHONPATH": str(Path(__file__).parent / "nixl_progress"),
     "HYBRID_PC_NIXL_PROGRESS_DELAY_US": "1000",
 }
-# Each P/D instance is bound to a core of its own: a P/D turn took 3.5 s to
-# prefill and 0.7 s to decode, against 12-37 s and 4-9 s for two in-process
-# instances sharing both cores (with NIXL's progress threads spinning).
+# A core of its own for each P/D instance whose rank runs in a worker
+# process: a P/D turn took 3.5 s to prefill and 0.7 s to decode, against
+# 12-37 s and 4-9 s for two instances sharing both cores (with NIXL's progress
+# threads spinning). vLLM binds only a worker process it starts itself
+# (v1/executor/multiproc_executor.py, through OMPProcessManager in
+# utils/ompmultiprocessing.py); a rank in the engine process (IN_PROCESS)
+# ignores VLLM_CPU_OMP_THREADS_BIND.
 PREFILL_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "0", **NIXL_PROGRESS}
 DECODE_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "1", **NIXL_PROGRESS}
 TP2_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
@@ -124,15 +128,17 @@ DEPLOYMENTS = {
     # Each P/D instance runs its rank in the engine process too, now that
     # NIXL's progress thread sleeps there: on 2 cores that halved the time
     # of the P/D cells and their workloads, against a worker process each.
+    # Such a rank is not bound to a core (PREFILL_CORES); the two instances
+    # take turns, the prefiller's step and then the decoder's.
     "pd": Deployment(
         prefill=Instance(
             kv_config=NIXL,
-            env={**PREFILL_CORES, **IN_PROCESS["env"]},
+            env={**NIXL_PROGRESS, **IN_PROCESS["env"]},
             serve_args=IN_PROCESS["serve_args"],
         ),
         decode=Instance(
             kv_config=NIXL,
-            env={**DECODE_CORES, **IN_PROCESS["env"]},
+            env={**NIXL_PROGRESS, **IN_PROCESS["env"]},
             serve_args=IN_PROCESS["serve_args"],
         ),
     ),
