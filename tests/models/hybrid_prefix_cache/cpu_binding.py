@@ -122,6 +122,14 @@ NGRAM = {
 
 MODES = matrix_modes(PARTIAL_UNIT, "ngram", NGRAM)
 
+# Either instance of the pd deployment: its rank in the engine process, NIXL
+# with the tier's progress delay.
+PD_IN_PROCESS = Instance(
+    kv_config=NIXL,
+    env={**NIXL_PROGRESS, **IN_PROCESS["env"]},
+    serve_args=IN_PROCESS["serve_args"],
+)
+
 DEPLOYMENTS = {
     "plain": Deployment(decode=Instance(**IN_PROCESS)),
     "tp2": Deployment(decode=Instance(tp=2, env=TP2_CORES)),
@@ -130,18 +138,7 @@ DEPLOYMENTS = {
     # of the P/D cells and their workloads, against a worker process each.
     # Such a rank is not bound to a core (PREFILL_CORES); the two instances
     # take turns, the prefiller's step and then the decoder's.
-    "pd": Deployment(
-        prefill=Instance(
-            kv_config=NIXL,
-            env={**NIXL_PROGRESS, **IN_PROCESS["env"]},
-            serve_args=IN_PROCESS["serve_args"],
-        ),
-        decode=Instance(
-            kv_config=NIXL,
-            env={**NIXL_PROGRESS, **IN_PROCESS["env"]},
-            serve_args=IN_PROCESS["serve_args"],
-        ),
-    ),
+    "pd": Deployment(prefill=PD_IN_PROCESS, decode=PD_IN_PROCESS),
     "pd-tp2": Deployment(
         prefill=Instance(tp=2, kv_config=NIXL, env=NIXL_PROGRESS),
         decode=Instance(kv_config=NIXL, prefix_caching=False, env=NIXL_PROGRESS),
@@ -183,9 +180,10 @@ def cpu_binding(model: TinyHybrid) -> Binding:
         # measures its own noise (harness.check_paths).
         logprob_atol=0.0,
         visible_devices_env=None,
-        # Measured by dev/benchmark_cpu_tier.py on 2 cores, with each P/D
-        # instance bound to a core of its own: the pair started at once in
-        # 70.3 s, one after the other in 109.9 s (45.8 + 61.2 s).
+        # Measured by dev/benchmark_cpu_tier.py on 2 cores, when each P/D
+        # instance ran its rank in a worker process bound to a core of its
+        # own: the pair started at once in 70.3 s, one after the other in
+        # 109.9 s (45.8 + 61.2 s).
         concurrent_start=True,
     )
 
