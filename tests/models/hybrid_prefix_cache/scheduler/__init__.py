@@ -62,8 +62,11 @@ from tests.models.hybrid_prefix_cache.scheduler.cpu import (  # noqa: F401
 from tests.models.hybrid_prefix_cache.scheduler.engine import (  # noqa: F401
     Engine,
     Geometry,
+    build_config,
     environment,
     finish_engine,
+    runner_needs_triton,
+    runner_refusal,
 )
 from tests.models.hybrid_prefix_cache.scheduler.play import (  # noqa: F401
     TurnResult,

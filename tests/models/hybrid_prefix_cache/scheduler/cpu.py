@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 
 from tests.models.hybrid_prefix_cache.scheduler.engine import (
     Engine,
+    build_config,
     environment,
     finish_engine,
 )
@@ -95,7 +96,7 @@ def cpu_engine(
     ``--kv-cache-memory-bytes``, as the CPU worker takes it.
     """
     with environment(env or {}):
-        vllm_config = engine_args(model, args).create_engine_config()
+        vllm_config = build_config(engine_args(model, args))
         model_config = vllm_config.model_config
         cache_config = vllm_config.cache_config
         layer_types = model_config.hf_config.layer_types

@@ -10,6 +10,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from vllm.config import VllmConfig
+from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
 from vllm.v1.core.kv_cache_utils import (
     generate_scheduler_kv_cache_config,
@@ -52,6 +53,62 @@ def get_kv_cache_configs(
     return kv_cache_planning.get_kv_cache_configs(
         vllm_config, kv_cache_specs, available_memory, groups
     )
+
+
+# Whether the installed vLLM refuses to build a config on this CPU without
+# Triton (None: not tried yet); see :func:`build_config`.
+_RUNNER_NEEDS_TRITON: bool | None = None
+
+
+def runner_refusal(error: BaseException) -> bool:
+    """Whether ``error`` is the CPU platform's refusal to run its model
+    runner without Triton (0.34: platforms/cpu.py
+    CpuPlatform.check_and_update_config raises it on x86 CPUs; 0.33 warned)."""
+    return isinstance(error, RuntimeError) and "requires Triton" in str(error)
+
+
+@contextlib.contextmanager
+def _triton_declared() -> Iterator[None]:
+    """``vllm.triton_utils.HAS_TRITON`` read as True for a block: the flag
+    that CpuPlatform.check_and_update_config reads when it is called."""
+    import vllm.triton_utils as triton_utils
+
+    saved = triton_utils.HAS_TRITON
+    triton_utils.HAS_TRITON = True
+    try:
+        yield
+    finally:
+        triton_utils.HAS_TRITON = saved
+
+
+def build_config(args: EngineArgs) -> VllmConfig:
+    """``args.create_engine_config()``, as the API server builds it, less
+    one check: where the installed vLLM refuses a config on this CPU because
+    its model runner needs Triton (triton-cpu), which is not installed here,
+    the config is built again with Triton declared present while the
+    platform checks it. Nothing here runs a model, so nothing needs the
+    runner; every other check and setting of the platform applies. The
+    refusal is remembered, so that later configs go straight to the second
+    build; :func:`runner_needs_triton` says whether it was seen."""
+    global _RUNNER_NEEDS_TRITON
+    if not _RUNNER_NEEDS_TRITON:
+        try:
+            config = args.create_engine_config()
+        except Exception as e:
+            if not runner_refusal(e):
+                raise
+            _RUNNER_NEEDS_TRITON = True
+        else:
+            _RUNNER_NEEDS_TRITON = False
+            return config
+    with _triton_declared():
+        return args.create_engine_config()
+
+
+def runner_needs_triton() -> bool | None:
+    """Whether a config built by :func:`build_config` was refused because
+    the CPU model runner needs Triton (None: none was built yet)."""
+    return _RUNNER_NEEDS_TRITON
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,11 @@ from types import SimpleNamespace
 import torch
 
 from tests.models.hybrid_prefix_cache import harness
-from tests.models.hybrid_prefix_cache.scheduler.engine import Engine, finish_engine
+from tests.models.hybrid_prefix_cache.scheduler.engine import (
+    Engine,
+    build_config,
+    finish_engine,
+)
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.kv_cache_interface import KVCacheSpec, MambaSpec, MLAAttentionSpec
 
@@ -98,7 +102,7 @@ def stated_engine(
         speculative_config=stand_in_spec or spec,
         enforce_eager=True,
     )
-    vllm_config = args.create_engine_config()
+    vllm_config = build_config(args)
     if stand_in_spec is not None:
         speculative = vllm_config.speculative_config
         assert speculative is not None

@@ -3,7 +3,7 @@
 """The stand-in workers of a server (:class:`StandInWorker`) and what a
 completion's response carries (:class:`Completion`)."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiKVConnectorMetadata,
@@ -19,6 +19,11 @@ from vllm.v1.simple_kv_offload.metadata import (
     SimpleCPUOffloadMetadata,
     SimpleCPUOffloadWorkerMetadata,
 )
+
+# Whether a runner's output still maps request ids to indexes (0.33 and
+# before); from 0.34 the scheduler indexes outputs by their req_ids order
+# alone (v1/outputs.py ModelRunnerOutput).
+_INDEXED_BY_MAP = "req_id_to_index" in {f.name for f in fields(ModelRunnerOutput)}
 
 
 @dataclass
@@ -69,11 +74,14 @@ class StandInWorker:
         for req_id in req_ids:
             request = self.scheduler.requests[req_id]
             sampled.append([] if request.is_prefill_chunk else [self.token(request)])
+        index = {}
+        if _INDEXED_BY_MAP:
+            index["req_id_to_index"] = {req_id: i for i, req_id in enumerate(req_ids)}
         return ModelRunnerOutput(
             req_ids=req_ids,
-            req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
             sampled_token_ids=sampled,
             kv_connector_output=self.transfers(output.kv_connector_metadata),
+            **index,
         )
 
     def drafts(self, output) -> DraftTokenIds | None:
