@@ -31,6 +31,8 @@
 #   HYBRID_PC_OVERLAY_ROOT   folder for overlays   (default: <repo>/.vllm-overlay)
 #   HYBRID_PC_PYTHON_ONLY    1: the source or patch may be of another release
 #   HYBRID_PC_FOLLOW         1: provision the followed release too
+#   HYBRID_PC_FOLLOW_VERSION the release to follow instead of the "# follows:"
+#                            line's (dev/suite.sh follow VERSION)
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -47,7 +49,7 @@ VLLM_ENV=${HYBRID_PC_VLLM_ENV:-}
 OVERLAY_ROOT=${HYBRID_PC_OVERLAY_ROOT:-$REPO/.vllm-overlay}
 PYTHON_ONLY=${HYBRID_PC_PYTHON_ONLY:-}
 FOLLOW=${HYBRID_PC_FOLLOW:-}
-FOLLOWED_VERSION=$(sed -n 's/^# follows: vllm==\([^ ]*\).*/\1/p' "$REQ")
+FOLLOWED_VERSION=${HYBRID_PC_FOLLOW_VERSION:-$(sed -n 's/^# follows: vllm==\([^ ]*\).*/\1/p' "$REQ")}
 # Short pip timeouts so that a machine without the package index fails fast.
 PIP_NET=(--timeout 30 --retries 2)
 

@@ -8,6 +8,11 @@
 #                           dev/tests (provisioning), then the overlaid tests;
 #                           then, on the release dev/requirements-cpu.txt
 #                           follows, the tests that need no compiled code
+#   dev/suite.sh follow VERSION
+#                           follow another vLLM release: fetch its sdist and
+#                           run, on its Python over the pinned wheel, the
+#                           tests that need no compiled code (what `all`
+#                           runs on the release the requirements follow)
 #   dev/suite.sh scheduler  the scheduler tier alone: every cell's expected
 #                           hits and counter rule replayed through vLLM's own
 #                           scheduler in-process (test_scheduler_conformance.py;
@@ -73,8 +78,16 @@ die() {
 job=${1:-}
 case "$job" in
     cpu-tier | all | scheduler | benchmark | reference | compare) shift ;;
-    *) die "usage: dev/suite.sh cpu-tier|all|scheduler|benchmark|reference|compare" \
-        "[--vllm-source PATH | --vllm-patch FILE | --vllm-env VENV] [args...]" ;;
+    follow)
+        [ $# -ge 2 ] || die "usage: dev/suite.sh follow VERSION [args...]"
+        follow_version=$2
+        [[ $follow_version =~ ^[0-9]+(\.[0-9]+)+([a-z0-9.+-]*)$ ]] ||
+            die "follow needs a vLLM release, such as 0.34.0, not '$follow_version'"
+        shift 2
+        ;;
+    *) die "usage: dev/suite.sh cpu-tier|all|scheduler|follow VERSION|benchmark|" \
+        "reference|compare [--vllm-source PATH | --vllm-patch FILE |" \
+        "--vllm-env VENV] [args...]" ;;
 esac
 
 # The developer's vLLM, handed to provisioning, which makes and checks it.
@@ -98,6 +111,8 @@ while [ $# -gt 0 ]; do
         *) break ;;
     esac
 done
+[ "$job" != follow ] || [ ${#under_test[@]} -eq 0 ] ||
+    die "follow runs the release it fetches; give no --vllm-source, patch or env"
 [ "$job" != compare ] || [ ${#under_test[@]} -gt 0 ] ||
     die "compare needs the vLLM to compare with: --vllm-source PATH," \
         "--vllm-patch FILE or --vllm-env VENV"
@@ -106,6 +121,8 @@ done
 provision_env=()
 [ "$job" != scheduler ] || provision_env+=(HYBRID_PC_PYTHON_ONLY=1)
 [ "$job" != all ] || provision_env+=(HYBRID_PC_FOLLOW=1)
+[ "$job" != follow ] ||
+    provision_env+=(HYBRID_PC_FOLLOW=1 "HYBRID_PC_FOLLOW_VERSION=$follow_version")
 env_lines=$(env ${under_test[@]+"${under_test[@]}"} ${provision_env[@]+"${provision_env[@]}"} \
     "$REPO/dev/provision.sh") || exit
 VENV=$(sed -n 's/^VENV=//p' <<<"$env_lines")
@@ -189,6 +206,7 @@ ruff() { "$VENV/bin/ruff" "$@"; }
 runs=1
 [ "$job" = all ] && runs=2
 [ "$job" = scheduler ] && runs=0
+[ "$job" = follow ] && runs=0
 for run in $(seq "$runs"); do
     echo "suite: install-kv-connectors.sh, run $run"
     bash "$CHECKOUT/.buildkite/scripts/install-kv-connectors.sh"
@@ -231,6 +249,42 @@ if [ "$job" = benchmark ] || [ "$job" = reference ]; then
     exec env PYTHONPATH="$CHECKOUT${PYTHONPATH:+:$PYTHONPATH}" \
         python -P "$REPO/dev/$script" "$@"
 fi
+# The followed release's Python, from its own checkout with our files laid
+# over it (its compiled code stays the pinned wheel's): the tests that need
+# no compiled code. Its output is kept in LOG; exits with pytest's status.
+run_followed() {  # run_followed LOG [pytest args...]
+    local log=$1 followed_version
+    shift
+    [ -n "$FOLLOWED_OVERLAY" ] || die "provisioning made no overlay of the followed vLLM"
+    overlay "$FOLLOWED_CHECKOUT"
+    followed_version=$(basename "$FOLLOWED_CHECKOUT")
+    echo "suite: following vLLM ${followed_version#vllm-}: the tests that need no compiled" \
+        "code, on its Python ($FOLLOWED_OVERLAY) over the pinned wheel's compiled code"
+    mkdir -p "$HYBRID_PC_REPORT_DIR/followed"
+    # Its session.json goes to a folder of its own, beside the pinned run's.
+    (cd "$FOLLOWED_CHECKOUT" && PYTHONPATH="$FOLLOWED_OVERLAY${PYTHONPATH:+:$PYTHONPATH}" \
+        HYBRID_PC_REPORT_DIR="$HYBRID_PC_REPORT_DIR/followed" \
+        python -m pytest -v -s -rA "${FOLLOWED_TESTS[@]}" "$@") 2>&1 | tee "$log"
+}
+
+# Say again a run's result line and every failed test and case, so that the
+# tail of a CI log names what failed in either run.
+say_result() {  # say_result LOG
+    echo "suite: $(basename "$1" .log): $(grep -E '^=+ .*(passed|failed|error)' "$1" |
+        tail -n 1 | tr -d '=' | sed 's/^ *//')"
+    # pytest's short summary, and the cases the plugin's table failed.
+    grep -E '^(FAILED|ERROR) |^[a-z0-9-]+ +FAIL' "$1" | sed 's/^/suite:   /' || true
+}
+
+if [ "$job" = follow ]; then
+    mkdir -p "$HYBRID_PC_REPORT_DIR"
+    log="$HYBRID_PC_REPORT_DIR/pytest-follow-$follow_version.log"
+    status=0
+    run_followed "$log" "$@" || status=$?
+    say_result "$log"
+    exit "$status"
+fi
+
 if [ "$job" = all ]; then
     echo "suite: ruff check and ruff format --check on ${#OURS_PY[@]} files"
     # vLLM's pyproject settings apply; its source vllm/ is moved aside here,
@@ -245,34 +299,16 @@ if [ "$job" = all ]; then
     (cd "$REPO" && env -u PYTHONPATH "$VENV/bin/python" -m pytest -v -rA \
         -p no:cacheprovider dev/tests)
     # Each run's output is also kept (pipefail: a run's status is pytest's),
-    # so that its failures are said again last: a CI log's tail then names
-    # what failed in either run.
+    # so that its failures are said again last (say_result).
     mkdir -p "$HYBRID_PC_REPORT_DIR"
     pinned_log="$HYBRID_PC_REPORT_DIR/pytest-pinned.log"
     followed_log="$HYBRID_PC_REPORT_DIR/pytest-followed.log"
     status=0
     python -m pytest -v -s -rA "${ALL_TESTS[@]}" "$@" 2>&1 | tee "$pinned_log" ||
         status=$?
-    # Then the followed release's Python, from its own checkout, with our
-    # files laid over it; its compiled code stays the pinned wheel's.
-    [ -n "$FOLLOWED_OVERLAY" ] || die "provisioning made no overlay of the followed vLLM"
-    overlay "$FOLLOWED_CHECKOUT"
-    echo "suite: the tests that need no compiled code, on vLLM's followed release" \
-        "($FOLLOWED_OVERLAY)"
-    followed=0
-    # Its session.json goes to a folder of its own, beside the pinned run's.
-    mkdir -p "$HYBRID_PC_REPORT_DIR/followed"
-    (cd "$FOLLOWED_CHECKOUT" && PYTHONPATH="$FOLLOWED_OVERLAY${PYTHONPATH:+:$PYTHONPATH}" \
-        HYBRID_PC_REPORT_DIR="$HYBRID_PC_REPORT_DIR/followed" \
-        python -m pytest -v -s -rA "${FOLLOWED_TESTS[@]}" "$@") 2>&1 |
-        tee "$followed_log" || followed=$?
-    [ "$followed" = 0 ] || status=$followed
-    for log in "$pinned_log" "$followed_log"; do
-        echo "suite: $(basename "$log" .log): $(grep -E '^=+ .*(passed|failed|error)' "$log" |
-            tail -n 1 | tr -d '=' | sed 's/^ *//')"
-        # pytest's short summary, and the cases the plugin's table failed.
-        grep -E '^(FAILED|ERROR) |^[a-z0-9-]+ +FAIL' "$log" | sed 's/^/suite:   /' || true
-    done
+    run_followed "$followed_log" "$@" || status=$?
+    say_result "$pinned_log"
+    say_result "$followed_log"
     exit "$status"
 elif [ "$job" = scheduler ]; then
     tests=("${SCHEDULER_TESTS[@]}")

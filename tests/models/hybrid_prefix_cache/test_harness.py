@@ -23,6 +23,7 @@ from tests.models.hybrid_prefix_cache.harness import (
     Binding,
     CaseRecord,
     Deployment,
+    Drafting,
     Instance,
     Known,
     Ledger,
@@ -36,6 +37,7 @@ from tests.models.hybrid_prefix_cache.harness import (
     Units,
     case_seconds,
     counter_problems,
+    decode_checkpoint,
     device_ranges,
     drafting,
     expect_known,
@@ -46,10 +48,13 @@ from tests.models.hybrid_prefix_cache.harness import (
     first_divergence,
     group_by_servers,
     hit_bound,
+    holds_for,
     impossible_hit,
+    kv_connector,
     ledger_entry,
     matrix_modes,
     plan_turns,
+    prompt_end_checkpoint,
     run_case,
     select_known,
     server_args,
@@ -58,7 +63,6 @@ from tests.models.hybrid_prefix_cache.harness import (
     shape_length,
     shard_by_cost,
 )
-from vllm.config import VllmConfig
 from vllm.config.speculative import SpeculativeConfig, SpeculativeMethod
 
 
@@ -173,24 +177,22 @@ def _flat_literal(tp) -> list[str]:
     ]
 
 
-def test_drops_unit_asks_vllm(monkeypatch):
-    """Mode.drops_unit is the installed vLLM's SpeculativeConfig.
-    use_eagle_block_drop on the declared config: whatever that method says
-    (here replaced), Mode says; the declared fields reach it, and a field
-    vLLM does not have is refused."""
+def test_drafting_asks_vllm(monkeypatch):
+    """What a drafter changes is the vLLM under test's own
+    SpeculativeConfig.use_eagle_block_drop on the declared config: whatever
+    that method says (here replaced), the rule follows; the declared fields
+    reach it, and a field vLLM does not have is refused."""
     seen = []
 
     def rule(config):
         seen.append((config.method, config.disable_eagle_block_drop))
-        return config.method == "ngram"
+        return False
 
     monkeypatch.setattr(SpeculativeConfig, "use_eagle_block_drop", rule)
-    # With a KV connector, no release hashes lookahead tokens.
-    assert drafting.drops_unit({"method": "ngram"}, kv_connector=True)
+    assert drafting({"method": "eagle3"}) == Drafting()
     off = {"method": "dspark", "disable_eagle_block_drop": True}
     assert not Mode(spec=off).drops_unit
-    # (0.33's VllmConfig.num_hash_lookahead_tokens asks the method again.)
-    assert sorted(set(seen)) == [("dspark", True), ("ngram", False)]
+    assert sorted(set(seen)) == [("dspark", True), ("eagle3", False)]
     assert not Mode().drops_unit
     with pytest.raises(ValueError, match="no field not_a_field"):
         Mode(spec={"method": "eagle", "not_a_field": 1}).drops_unit  # noqa: B018
@@ -198,29 +200,71 @@ def test_drops_unit_asks_vllm(monkeypatch):
         Mode(spec={"model": "some/draft"})
 
 
-def test_drops_unit_of_the_installed_vllm():
-    """The installed release's answers for the matrices' drafters, with
-    vLLM's reason: every EAGLE-style method drops a unit unless the config
-    turns it off; from 0.33, DSpark and DFlash drop none
-    (SpeculativeConfig.needs_eagle_block_drop)."""
-    new_rule = hasattr(SpeculativeConfig, "needs_eagle_block_drop")
-    assert Mode(spec={"method": "dspark"}).drops_unit is not new_rule
-    assert not Mode(spec={"method": "ngram"}).drops_unit
+NIXL = kv_connector("NixlConnector")
+# A connector that declares no lookahead hashes in any release.
+EXAMPLE = kv_connector("ExampleConnector", {"shared_storage_path": "/tmp"})
+
+
+def test_drafting_of_the_installed_vllm():
+    """The release under test's answers for EAGLE-style and other
+    drafters, as each release's code gives them: 0.32 drops a unit for
+    every EAGLE-style method; 0.33 no longer for DSpark and DFlash
+    (SpeculativeConfig.needs_eagle_block_drop), and hashes lookahead tokens
+    instead of dropping where no KV connector is on (the VllmConfig.
+    num_hash_lookahead_tokens property); 0.34 also behind a connector that
+    declares them (VllmConfig._resolve_num_hash_lookahead_tokens,
+    KVConnectorBase_V1.supports_lookahead_block_hashes)."""
+    dspark, eagle3 = {"method": "dspark"}, {"method": "eagle3"}
+    assert Mode(spec=dspark).drops_unit is holds_for("<0.33")
+    assert drafting({"method": "ngram"}, kv_config=NIXL) == Drafting()
     off = {"method": "eagle3", "disable_eagle_block_drop": True}
-    assert not Mode(spec=off).drops_unit
+    assert drafting(off) == Drafting()
     for method in _flat_literal(SpeculativeMethod):
         eagle = SpeculativeConfig.use_eagle(SimpleNamespace(method=method))
         if not eagle:
-            assert not Mode(spec={"method": method}).drops_unit, method
-    # EAGLE3 drops a unit behind a KV connector in both releases; without
-    # one, 0.33 hashes lookahead tokens instead, which the harness refuses
-    # to guess (VllmConfig.num_hash_lookahead_tokens).
-    assert drafting.drops_unit({"method": "eagle3"}, kv_connector=True)
-    if hasattr(VllmConfig, "num_hash_lookahead_tokens"):
-        with pytest.raises(NotImplementedError, match="num_hash_lookahead_tokens"):
-            drafting.drops_unit({"method": "eagle3"})
+            assert drafting({"method": method}) == Drafting(), method
+    dropped, hashed = Drafting(drops_unit=True), Drafting(lookahead=1)
+    assert drafting(eagle3, kv_config=EXAMPLE) == dropped
+    if holds_for("<0.33"):
+        assert drafting(eagle3) == dropped
+        assert drafting(eagle3, kv_config=NIXL) == dropped
+    elif holds_for("<0.34"):
+        assert drafting(eagle3) == hashed
+        assert drafting(eagle3, kv_config=NIXL) == dropped
     else:
-        assert drafting.drops_unit({"method": "eagle3"})
+        assert drafting(eagle3) == hashed
+        assert drafting(eagle3, kv_config=NIXL) == hashed
+        assert drafting(eagle3, kv_config=EXAMPLE) == dropped
+    # Without prefix caching, the drop stays (nothing is hashed).
+    if holds_for("<0.34"):
+        assert drafting(eagle3, prefix_caching=False) == dropped
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "lookahead", "expected"),
+    [(421, 1, 384), (385, 1, 384), (384, 1, 256), (386, 2, 384), (385, 2, 256)],
+)
+def test_lookahead_checkpoint(prompt_len: int, lookahead: int, expected: int):
+    """With lookahead hashes the prompt-end checkpoint leaves the last
+    max(1, lookahead) tokens (v1/kv_cache_interface.py
+    get_mamba_prefill_checkpoint_position) and drops no unit."""
+    assert prompt_end_checkpoint(prompt_len, 128, False, lookahead) == expected
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "interval", "expected"),
+    [
+        (510, None, 512),  # 510 + 7 decoded passes 512
+        (510, 128, 512),  # an interval of one block keeps every block
+        (510, 0, 0),  # vLLM's default keeps only the replay boundaries
+        (504, 128, 0),  # 504 + 7 = 511 stops short of 512
+        (505, 128, 512),
+        (510, 256, 512),
+        (382, 256, 0),  # 384 is no multiple of the interval
+    ],
+)
+def test_decode_checkpoint(prompt_len: int, interval: int | None, expected: int):
+    assert decode_checkpoint(prompt_len, 7, 128, interval) == expected
 
 
 def test_plan_turns():
@@ -910,8 +954,8 @@ def test_decoder_transfers_what_its_own_cache_does_not_hold():
 def test_a_resends_decoder_hits_by_the_rule_of_its_role():
     pd = Deployment(decode=Instance(), prefill=Instance())
     block, partial = Units(block=128, hit=128), Units(block=128, hit=64)
-    # A drafter that drops a unit (only drops_unit is read).
-    dspark = SimpleNamespace(drops_unit=True)
+    # A drafter that drops a unit (only its rule is read).
+    dspark = SimpleNamespace(drafting=lambda instance: Drafting(drops_unit=True))
     # The prefiller's part of 385 tokens ends on a block: the decoder loaded
     # three whole blocks, and the prompt's checkpoint is their end.
     assert harness.decoder_resend_hit(385, block, Mode(), pd) == 384

@@ -139,6 +139,25 @@ def cpu_binding(tiny_model: TinyHybrid) -> harness.Binding:
     return cpu.cpu_binding(tiny_model)
 
 
+# A drafter whose rule depends on the release and on the KV connector (the
+# unit drop of 0.32, the lookahead hashes of 0.33 without a connector and of
+# 0.34 behind one that declares them): MTP, on the tiny model with its MTP
+# layer. No CPU server drafts (cpu_known._SPEC), so its cells are the
+# scheduler tier's alone, on the CPU tier's deployments and geometry.
+MTP = {"method": "mtp", "num_speculative_tokens": 2}
+MTP_MODES = {
+    "block-mtp": harness.Mode(spec=MTP),
+    "partial-mtp": harness.Mode(prefix_match_unit=cpu.PARTIAL_UNIT, spec=MTP),
+}
+
+
+@pytest.fixture(scope="module")
+def mtp_binding(tmp_path_factory) -> harness.Binding:
+    """The CPU tier's binding of the tiny model with its MTP layer."""
+    model = write_tiny_hybrid(tmp_path_factory.mktemp("tiny-mtp"), "mtp")
+    return cpu.cpu_binding(model)
+
+
 def cpu_engines(
     binding: harness.Binding,
     deployment: harness.Deployment,
@@ -202,6 +221,7 @@ def turn_problems(
 ) -> tuple[list[str], list[str]]:
     """(the turn table, every way a turn disagrees with the harness)."""
     backoff = deployment.cache_backoff
+    rule = mode.drafting(deployment.instances[0])
     rows = [
         f"{'conversation':<14} {'turn':>6} {'prompt':>6} {'vLLM hit':>8} "
         f"{'expected':>8} {'bound':>6} {'recompute':>9}"
@@ -209,7 +229,9 @@ def turn_problems(
     problems = []
     for result in results:
         turn = result.planned
-        expected, bound = harness.expectation(turn, units.hit, mode.drops_unit, backoff)
+        expected, bound = harness.expectation(
+            turn, units.hit, rule.drops_unit, backoff, rule.lookahead
+        )
         what = "resend" if turn.resend else f"turn {turn.index}"
         name = f"{result.conversation} {what}".strip()
         rows.append(
@@ -222,7 +244,7 @@ def turn_problems(
             problems.append(
                 f"{name}: vLLM's scheduler hits {result.hit}, the harness expects "
                 f"{expected} (prompt {turn.prompt_len}, previous {turn.prev_len}, "
-                f"hit unit {units.hit}, drafter drops a unit: {mode.drops_unit}, "
+                f"hit unit {units.hit}, drafter {rule}, "
                 f"backoff {backoff})"
             )
         prev_seen = max(turn.prev_len - backoff, 0)
@@ -302,44 +324,77 @@ def _kimi_params() -> list:
 def _drafter_params() -> list:
     return [
         pytest.param(tier, name, id=f"{tier}-{name}")
-        for tier, modes in (("kimi", kimi.MODES), ("cpu", cpu.MODES))
+        for tier, modes in (
+            ("kimi", kimi.MODES),
+            ("cpu", cpu.MODES),
+            ("mtp", MTP_MODES),
+        )
         for name, mode in modes.items()
         if mode.spec is not None
     ]
 
 
 @pytest.mark.parametrize(("tier", "mode_name"), _drafter_params())
-def test_drop_rule_is_the_schedulers(tiny_model, cpu_binding, tier, mode_name):
-    """The harness reads whether a drafter drops a unit from the declared
-    config (harness.drafting); vLLM's scheduler must then do what that config
-    says: Scheduler.__init__ sets use_eagle_block_drop and hands it to the
-    KVCacheManager, whose lookups drop the unit. A scheduler that ignores
-    the config, or drops where the config says no, fails here by name."""
+def test_drop_rule_is_the_schedulers(
+    tiny_model, mtp_binding, cpu_binding, tier, mode_name
+):
+    """The harness reads what a drafter changes from vLLM's config and, for
+    the lookahead hashes, from the connector's own declaration
+    (harness.drafting); vLLM's scheduler must then do it: Scheduler.__init__
+    sets use_eagle_block_drop (off where it hashes lookahead tokens) and
+    hands it to the KVCacheManager, whose lookups drop the unit, and from
+    0.33 num_hash_lookahead_tokens. A scheduler that ignores the config, or
+    a config that stops honouring a connector's declaration, fails here by
+    name; so does a Kimi-K3 drafter whose rule is not the one its binding
+    states for the release under test."""
     if tier == "kimi":
         mode = kimi.MODES[mode_name]
-        instance = kimi.DEPLOYMENTS["plain"].decode
-        block = kimi_geometry(instance, mode)
-        assert not isinstance(block, str), block
-        geometry = scheduler.StatedGeometry(block, None)
-        engines = [
-            scheduler.stated_engine(
-                str(tiny_model.path), geometry, instance, mode, **KIMI_SETTINGS
-            )
-        ]
+        deployments = kimi.DEPLOYMENTS
+        stated = kimi.drafter_rule()
+        for name, deployment in deployments.items():
+            for instance in deployment.instances:
+                got = mode.drafting(instance)
+                assert got == stated, (
+                    f"kimi {name} {mode_name}: vLLM {harness.release_under_test()} "
+                    f"answers {got} for {mode.spec['method']}, the binding states "
+                    f"{stated} for this release (kimi.DRAFTER_RULES)"
+                )
     else:
-        mode = cpu.MODES[mode_name]
-        engines = cpu_engines(cpu_binding, cpu.DEPLOYMENTS["plain"], mode)
-    declared = mode.drops_unit
-    for engine in engines:
-        vllm_scheduler = engine.scheduler()
-        assert vllm_scheduler.use_eagle_block_drop == declared, (
-            f"{tier} {mode_name}: the config declares drops a unit {declared}, "
-            f"vLLM's scheduler drops {vllm_scheduler.use_eagle_block_drop}"
-        )
-        assert vllm_scheduler.kv_cache_manager.use_eagle == declared, (
-            f"{tier} {mode_name}: the KV cache manager's lookups drop "
-            f"{vllm_scheduler.kv_cache_manager.use_eagle}, the config {declared}"
-        )
+        modes = cpu.MODES if tier == "cpu" else MTP_MODES
+        mode = modes[mode_name]
+        deployments = cpu.DEPLOYMENTS
+    binding = mtp_binding if tier == "mtp" else cpu_binding
+    for name, deployment in deployments.items():
+        try:
+            if tier == "kimi":
+                engines = kimi_engines(tiny_model.path, deployment, mode, None)
+            else:
+                engines = cpu_engines(binding, deployment, mode)
+        except pytest.skip.Exception as e:
+            print(f"{tier} {name} {mode_name}: not built ({e.msg})")
+            continue
+        for engine, instance in zip(engines, deployment.instances):
+            rule = mode.drafting(instance)
+            vllm_scheduler = engine.scheduler()
+            connector = (instance.kv_config or {}).get("kv_connector")
+            what = f"{tier} {name} {mode_name} (connector {connector})"
+            # Before 0.32 (0.26) the scheduler's flag was use_eagle.
+            drops = getattr(
+                vllm_scheduler, "use_eagle_block_drop", vllm_scheduler.use_eagle
+            )
+            assert drops == rule.drops_unit, (
+                f"{what}: the harness reads {rule}, vLLM's scheduler drops {drops}"
+            )
+            assert vllm_scheduler.kv_cache_manager.use_eagle == rule.drops_unit, (
+                f"{what}: the KV cache manager's lookups drop "
+                f"{vllm_scheduler.kv_cache_manager.use_eagle}, the harness reads "
+                f"{rule}"
+            )
+            hashed = getattr(vllm_scheduler, "num_hash_lookahead_tokens", 0)
+            assert hashed == rule.lookahead, (
+                f"{what}: vLLM's scheduler hashes {hashed} lookahead tokens, "
+                f"the harness reads {rule}"
+            )
 
 
 @pytest.mark.parametrize(("deployment_name", "mode_name"), _kimi_params())
@@ -373,7 +428,10 @@ def test_kimi_resend(tiny_model, prompt_len: int) -> None:
             servers, deployment, prompt_len, case_id, kimi.BINDING.token_ids
         )
         resend = results[-1]
-        expected = harness.expected_resend(prompt_len, units.hit, mode.drops_unit)
+        rule = mode.drafting(deployment.decode)
+        expected = harness.expected_resend(
+            prompt_len, units.hit, rule.drops_unit, rule.lookahead
+        )
         assert resend.hit == expected, (
             f"{case_id} ({kda}): vLLM's scheduler hits {resend.hit} on the "
             f"resend, harness.expected_resend gives {expected}"
@@ -432,6 +490,74 @@ def test_cpu_case(cpu_binding: harness.Binding, case_id: str) -> None:
         concurrent=case.concurrent,
     )
     check_case(case_id, servers, results, units, mode, deployment)
+
+
+@pytest.mark.parametrize("mode_name", MTP_MODES)
+@pytest.mark.parametrize("deployment_name", cpu.DEPLOYMENTS)
+def test_mtp_cell(mtp_binding: harness.Binding, deployment_name: str, mode_name: str):
+    """Every CPU deployment's reference conversation and resend with MTP
+    drafts (MTP_MODES), where what the drafter changes depends on the
+    release and the connector: each turn must hit what the harness reads
+    for the instance that consults its cache (harness.drafting)."""
+    case_id = f"mtp-{deployment_name}-{mode_name}"
+    deployment, mode = cpu.DEPLOYMENTS[deployment_name], MTP_MODES[mode_name]
+    engines = cpu_engines(mtp_binding, deployment, mode)
+    units = check_geometry(engines[0], mode)
+    servers = scheduler.servers_for(engines, deployment, mtp_binding.token_ids)
+    conversation = harness.reference_conversation(units, case_id)
+    results = scheduler.play_conversations(
+        servers, deployment, [conversation], mtp_binding.token_ids
+    )
+    check_case(case_id, servers, results, units, mode, deployment)
+
+
+@pytest.mark.parametrize("retention", ["dense", "default"])
+@pytest.mark.parametrize("mode_name", ["block", "partial"])
+def test_decode_checkpoint(cpu_binding: harness.Binding, mode_name: str, retention):
+    """A first prompt that ends two tokens short of a block, so that its
+    decode computes past the block boundary: the next turn hits that
+    boundary where the Mamba group keeps every block's state (a retention
+    interval of one scheduler block), and the prompt's own checkpoint under
+    vLLM's default retention (harness.decode_checkpoint)."""
+    deployment, mode = cpu.DEPLOYMENTS["plain"], cpu.MODES[mode_name]
+    block = cpu_engines(cpu_binding, deployment, mode)[0].geometry.scheduler_block
+    interval = block if retention == "dense" else 0
+    extra = ["--prefix-cache-retention-interval", str(interval)]
+    engines = cpu_engines(cpu_binding, deployment, mode, extra)
+    units = check_geometry(engines[0], mode)
+    first_len = (harness.FIRST_PROMPT_BLOCKS + 1) * block - 2
+    case_id = f"decode-{mode_name}-{retention}"
+    conversation = harness.Conversation(case_id, first_len, case_id, 2, resend=False)
+    servers = scheduler.servers_for(engines, deployment, cpu_binding.token_ids)
+    results = scheduler.play_conversations(
+        servers, deployment, [conversation], cpu_binding.token_ids
+    )
+    drafter = mode.drafting(deployment.decode)
+    decoded = harness.MAX_TOKENS - 1
+    rows, problems = [], counter_problems(servers)
+    for result in results:
+        planned = result.planned
+        expected, stored = harness.decoded_expectation(
+            planned.prev_len, units.hit, drafter, decoded, block, interval
+        )
+        if not planned.prev_len:
+            expected, stored = 0, 0
+        why = harness.impossible_hit(result.hit, stored, planned.prompt_len, units.hit)
+        rows.append((planned.prompt_len, result.hit, expected, stored))
+        if result.hit != expected or why or result.recompute_hit:
+            problems.append(
+                f"turn {planned.index} ({planned.prompt_len} tokens, the previous "
+                f"{planned.prev_len} and {decoded} decoded): vLLM's scheduler hits "
+                f"{result.hit}, the harness expects {expected} under retention "
+                f"interval {interval} (block {block}) {why}; recompute hit "
+                f"{result.recompute_hit}"
+            )
+    print(f"\n== {case_id}: (prompt, hit, expected, stored) {rows}")
+    assert not problems, "\n".join(problems)
+
+
+def counter_problems(servers: Sequence[scheduler.ReplayServer]) -> list[str]:
+    return [p for server in servers for p in server.counter_problems()]
 
 
 def test_cpu_geometry(cpu_binding: harness.Binding) -> None:

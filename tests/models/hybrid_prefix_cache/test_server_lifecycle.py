@@ -6,7 +6,9 @@ Every fault must end with a clear message (quoting the server's log where
 there is one) and with none of the processes the test started left alive:
 a server that exits during startup, one killed mid-turn, a startup that
 outlasts its timeout, an assertion failure inside a case, Ctrl-C of pytest,
-and a port already in use.
+and a port already in use. No fault waits on a guess of how fast this
+machine is: each is triggered by what the server is seen doing, or hangs by
+construction.
 """
 
 import os
@@ -28,6 +30,7 @@ from tests.models.hybrid_prefix_cache.cpu_binding import (
     cpu_binding,
 )
 from tests.models.hybrid_prefix_cache.harness import (
+    FIRST_TOKENS,
     Binding,
     CaseRecord,
     Mode,
@@ -35,6 +38,8 @@ from tests.models.hybrid_prefix_cache.harness import (
     ServerError,
     ServerPool,
     complete,
+    max_model_len,
+    read_counters,
     serve,
     serve_case,
     server_specs,
@@ -101,15 +106,26 @@ def test_server_exits_during_startup(binding, tmp_path):
     assert_no_leftovers(launched)
 
 
-def test_startup_timeout(binding):
+# A server whose startup hangs, by construction: its interpreter blocks
+# before vLLM is imported (as on a hung import or file system), so that no
+# machine is fast enough to start it within any timeout.
+HANG_AT_START = "import time\n\ntime.sleep(3600)\n"
+
+
+def test_startup_timeout(binding, tmp_path):
     launched: list[Server] = []
-    impatient = replace(binding, startup_timeout=5.0)
+    (tmp_path / "sitecustomize.py").write_text(HANG_AT_START)
+    hung = replace(
+        binding,
+        startup_timeout=5.0,
+        env={**binding.env, "PYTHONPATH": str(tmp_path)},
+    )
     started = time.monotonic()
     with (
         pytest.raises(ServerError, match="did not become healthy within 5 s"),
-        serve(impatient, PLAIN, Mode(), launched),
+        serve(hung, PLAIN, Mode(), launched),
     ):
-        pytest.fail("a server started in 5 s")
+        pytest.fail("a server whose interpreter sleeps at start became healthy")
     assert time.monotonic() - started < 5.0 + EXIT_GRACE_SECONDS + 20
     assert_no_leftovers(launched)
 
@@ -130,22 +146,60 @@ def test_port_already_in_use(binding):
     assert_no_leftovers(launched)
 
 
+def kill_once_generating(
+    server: Server, first_tokens: float, seen: list, stop: threading.Event
+) -> None:
+    """SIGKILL ``server``'s process group as soon as its counters show a
+    first token beyond ``first_tokens`` (vLLM counts it when the request's
+    first token is out: v1/metrics/loggers.py, time_to_first_token), and
+    record in ``seen`` the count that triggered it; give up once ``stop``
+    is set."""
+    while not stop.is_set() and server.proc.poll() is None:
+        count = read_counters(server)[FIRST_TOKENS]
+        if count is not None and count > first_tokens:
+            seen.append(count)
+            os.killpg(server.proc.pid, signal.SIGKILL)
+            return
+
+
 def test_server_killed_mid_turn(binding):
+    """The server is killed once it is seen generating the completion, not
+    after a delay: the completion may run to the longest the server allows
+    (its max_model_len, from /v1/models) and ignores EOS, so that it takes
+    that many engine steps to end, against one /metrics read to kill it."""
     launched: list[Server] = []
+    prompt = list(range(2, 200))
+    seen: list[float] = []
+    stop = threading.Event()
     with (
         pytest.raises(ServerError, match="exited with code -9") as error,
         serve(binding, PLAIN, Mode(), launched) as (server,),
     ):
         server.pids()
-        # Kill the whole server while it is generating.
-        timer = threading.Timer(3.0, lambda: os.killpg(server.proc.pid, signal.SIGKILL))
-        timer.start()
+        longest = max_model_len(server) - len(prompt)
+        before = read_counters(server)[FIRST_TOKENS]
+        assert before is not None, f"the server exports no {FIRST_TOKENS}"
+        killer = threading.Thread(
+            target=kill_once_generating, args=(server, before, seen, stop), daemon=True
+        )
+        killer.start()
         try:
-            complete(
-                server, binding.model, list(range(2, 200)), "kill", max_tokens=3000
+            sample = complete(
+                server,
+                binding.model,
+                prompt,
+                "kill",
+                max_tokens=longest,
+                ignore_eos=True,
             )
         finally:
-            timer.cancel()
+            stop.set()
+            killer.join()
+        pytest.fail(
+            f"the completion of {len(sample.token_ids)} tokens was answered "
+            f"before the kill (first tokens seen: {seen})"
+        )
+    assert seen, "the server was not killed by the test"
     assert "did not answer a completion" in str(error.value)
     assert_no_leftovers(launched)
 

@@ -56,7 +56,7 @@ LM_HEAD_GAIN = 10.0
 # one position with the same tokens, 20x and 8x the gaps at every other
 # position (0.05), and 4 cold control pairs a case rarely sample such a flip.
 # With all 4, no such spike in 300 positions of the same P/D cases: the path
-# noise is the continuous rounding the cold controls measure (oracle.py
+# noise is the continuous rounding the cold controls measure (compare.py
 # PATH_NOISE_MARGIN). A 10% state error moves the sampled logprobs less (0.2
 # to 0.27, against 1.2 to 2.4): part of that was routing flips too.
 EXPERTS = 4
@@ -79,7 +79,14 @@ VARIANTS: dict[str, dict] = {
     # model resolves to block 128 and Mamba block 128, where the first one
     # resolves to 256 and 256 (CPUs with AVX512-BF16).
     "wide-kv": {"num_key_value_heads": 4},
+    # One multi-token-prediction layer (Qwen3-Next's MTP: vLLM's
+    # model_executor/models/qwen3_next_mtp.py), for drafting with
+    # {"method": "mtp"}: its layer is a copy of the full-attention layer, its
+    # fc seeded like the initializer, its norms unit (x * (1 + 0)).
+    "mtp": {"num_nextn_predict_layers": 1},
 }
+# The full-attention layer the MTP layer copies.
+MTP_SOURCE_LAYER = "model.layers.3."
 
 
 @dataclass(frozen=True)
@@ -166,6 +173,28 @@ def _make_state_loud(model) -> None:
         model.lm_head.weight.mul_(LM_HEAD_GAIN)
 
 
+def _add_mtp_layer(path: Path, config: dict) -> None:
+    """Add the weights of :data:`VARIANTS`' MTP layer to the checkpoint in
+    ``path`` (vLLM loads ``mtp.*`` as its draft model, with the target's
+    embeddings and lm_head)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights_file = path / "model.safetensors"
+    weights = load_file(weights_file)
+    hidden = config["hidden_size"]
+    for name, tensor in list(weights.items()):
+        if name.startswith(MTP_SOURCE_LAYER):
+            copy = tensor.clone()
+            weights["mtp.layers.0." + name.removeprefix(MTP_SOURCE_LAYER)] = copy
+    generator = torch.Generator().manual_seed(SEED)
+    fc = torch.randn(hidden, 2 * hidden, generator=generator) * 0.02
+    weights["mtp.fc.weight"] = fc.to(torch.bfloat16)
+    for norm in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
+        weights[f"mtp.{norm}.weight"] = torch.zeros(hidden, dtype=torch.bfloat16)
+    save_file(weights, weights_file, metadata={"format": "pt"})
+
+
 def write_command(variant: str = "") -> str:
     """The command that writes the model (the reproducer quotes it)."""
     return f"python -m {MODULE} OUT_DIR" + (f" --variant {variant}" if variant else "")
@@ -184,6 +213,8 @@ def write_tiny_hybrid(path: Path, variant: str = "") -> TinyHybrid:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     _make_state_loud(model)
     model.save_pretrained(path, safe_serialization=True)
+    if _config(variant).get("num_nextn_predict_layers"):
+        _add_mtp_layer(path, _config(variant))
     _write_tokenizer(path)
     (path / MARKER).write_text(
         f"The hybrid prefix-cache suite's tiny model (seed {SEED}), written by\n"

@@ -29,6 +29,7 @@ import pytest
 from tests.models.hybrid_prefix_cache.harness import (
     Binding,
     Deployment,
+    Drafting,
     Instance,
     Known,
     Matrix,
@@ -36,6 +37,7 @@ from tests.models.hybrid_prefix_cache.harness import (
     Suite,
     case_seconds,
     cpu_offload,
+    holds_for,
     kv_connector,
     matrix_modes,
     multi_connector,
@@ -56,11 +58,12 @@ from vllm.utils.network_utils import get_open_port
 # without being among its triggers.
 pytest_plugins = ("tests.models.hybrid_prefix_cache.harness.plugin",)
 
-# The official Kimi-K3 config cut to 8 layers, without weights.
-MODEL = os.environ.get("KIMI_K3_PREFIX_CACHE_MODEL", "riverclouds/Kimi-K3-8L-dummy")
+# The official Kimi-K3 config cut to 8 layers, without weights, where
+# upstream's test takes it from 0.34.0 on.
+MODEL = os.environ.get("KIMI_K3_PREFIX_CACHE_MODEL", "vllm-project/Kimi-K3-8L-dummy")
 # The recipe's DSpark draft, its target_layer_ids remapped to the 8 layers.
 DRAFT = os.environ.get(
-    "KIMI_K3_PREFIX_CACHE_DRAFT", "riverclouds/Kimi-K3-DSpark-for-8L-dummy"
+    "KIMI_K3_PREFIX_CACHE_DRAFT", "vllm-project/Kimi-K3-DSpark-for-8L-dummy"
 )
 
 PARTIAL_UNIT = 128
@@ -101,10 +104,27 @@ MOONCAKE_STORE = kv_connector(
 # region, 4GB/1GB segments, and a 60 s lease so that a resend finds its
 # objects still held.
 MOONCAKE_DEVICE = os.environ.get("MOONCAKE_DEVICE_NAME", "mlx5_12")
+# The transfer protocol, as upstream's test reads it (its MI355 mirror sets
+# tcp).
+MOONCAKE_PROTOCOL = os.environ.get("MOONCAKE_PROTOCOL", "rdma")
 MOONCAKE_LEASE_TTL_MS = 60_000
 MOONCAKE_ENV = {"MC_MAX_MR_SIZE": str(4 * GiB)}
 
 MODES = matrix_modes(PARTIAL_UNIT, "dspark", DSPARK)
+
+# What DSpark changes in the prefix cache, by release, as upstream's Kimi-K3
+# test states it: 0.32 drops the trailing hit unit (its _expected_cached); from
+# 0.33 "DSpark keeps the trailing hash unit, unlike EAGLE", and hashes no
+# lookahead tokens (config/speculative.py needs_eagle_block_drop). The
+# scheduler tier holds vLLM's own answer (harness.drafting) to it.
+DRAFTER_RULES = {"<0.33": Drafting(drops_unit=True), ">=0.33": Drafting()}
+
+
+def drafter_rule() -> Drafting:
+    """The stated rule of :data:`DRAFTER_RULES` for the vLLM under test."""
+    (rule,) = [r for releases, r in DRAFTER_RULES.items() if holds_for(releases)]
+    return rule
+
 
 DEPLOYMENTS = {
     "plain": Deployment(),
@@ -146,6 +166,9 @@ _DCP_SPEC = Known(
     # failing server's log (harness.failure_text), wherever the crash
     # surfaces: a refused request, a dead server's metrics, its exit.
     evidence="causal_seqlens_kv_global must have shape",
+    # 0.34.0 repairs the ragged DCP decode (mla/flashinfer_mla.py), and
+    # upstream's test no longer lists these cells.
+    releases="<0.34",
 )
 KNOWN: dict[str, dict[str, tuple[Known, ...]]] = {
     "sm100": {
@@ -171,12 +194,19 @@ MOONCAKE_RESEND_LENGTH = 7449
 def _platform() -> str | None:
     if current_platform.is_cuda() and current_platform.is_device_capability_family(100):
         return "sm100"
-    if current_platform.is_rocm():
-        from vllm.platforms.rocm import on_gfx950
-
-        if on_gfx950():
-            return "mi355"
+    if current_platform.is_rocm() and _rocm_mx():
+        return "mi355"
     return None
+
+
+def _rocm_mx() -> bool:
+    """Whether this ROCm GPU runs Kimi-K3's MX kernels: from 0.34 as
+    upstream's test asks it (Platform.supports_mx), before as gfx950."""
+    if hasattr(current_platform, "supports_mx"):
+        return current_platform.supports_mx()
+    from vllm.platforms.rocm import on_gfx950
+
+    return on_gfx950()
 
 
 PLATFORM = _platform()
@@ -222,19 +252,33 @@ BINDING = Binding(
 # The siblings of a shared prefix (four turns, 123 s) do not fit, nor any
 # other workload, and the scheduler tier replays each for every cell instead
 # (test_scheduler_workloads.py). Left out:
-# - dcp2-offload-partial: the scheduler tier finds its checkpoint lost on the
-#   host (test_scheduler_workloads.KNOWN); it joins, listed with its
-#   evidence, once a B200 run has shown how it fails there;
+# - dcp2-offload-partial, where the scheduler tier finds its checkpoint lost
+#   on the host (HOST_LOSS_RELEASES, test_scheduler_workloads.KNOWN); it
+#   joins, listed with its evidence, once a B200 run has shown how it fails
+#   there;
 # - the cells whose engine dies on its first decode (KNOWN["sm100"], vLLM
-#   #59392): a case after the crash would start their servers again.
+#   #59392, where it holds): a case after the crash would start their
+#   servers again.
+HOST_LOSS_RELEASES = "<0.34"
 PD_DEPLOYMENTS = ("pd", "pd-tp2-dep2", "pd-offload")
-WORKLOADS = {
-    "aligned": tuple(
-        f"{deployment}-{mode}"
+
+
+def _crashes(cell: str) -> bool:
+    return any(known.holds() for known in KNOWN["sm100"].get(cell, ()))
+
+
+def _aligned_cells() -> tuple[str, ...]:
+    lost = ("dcp2-offload-partial",) if holds_for(HOST_LOSS_RELEASES) else ()
+    return tuple(
+        cell
         for deployment in ("offload", "dcp2-offload", *PD_DEPLOYMENTS)
         for mode in MODES
-        if f"{deployment}-{mode}" not in (*KNOWN["sm100"], "dcp2-offload-partial")
-    ),
+        if not _crashes(cell := f"{deployment}-{mode}") and cell not in lost
+    )
+
+
+WORKLOADS = {
+    "aligned": _aligned_cells(),
     "pd-resend": tuple(
         f"{deployment}-{mode}" for deployment in PD_DEPLOYMENTS for mode in MODES
     ),
@@ -336,7 +380,7 @@ def mooncake_master(folder: Path, pool: ServerPool) -> Iterator[str]:
                 {
                     "metadata_server": "P2PHANDSHAKE",
                     "master_server_address": f"127.0.0.1:{port}",
-                    "protocol": "rdma",
+                    "protocol": MOONCAKE_PROTOCOL,
                     "device_name": MOONCAKE_DEVICE,
                     "global_segment_size": "4GB",
                     "local_buffer_size": "1GB",

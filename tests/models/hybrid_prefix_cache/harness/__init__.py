@@ -52,13 +52,18 @@ are reused across cases with exactly the same arguments and environment
 
 Which module owns what (each imports only the ones above it):
 
+* ``rules``: what vLLM promises, rule by rule, each naming its vLLM file
+  and function, release by release: checkpoints, expected and largest hits
+  (:func:`expectation`, :func:`plan_turns`), resends, drafters
+  (:func:`drafting`), decode-time checkpoints, the P/D backoff; the one
+  module to read when following a release;
 * ``deployment``: the deployment model (:class:`Mode`, :class:`Instance`,
   :class:`Deployment`, :class:`Binding`, ``server_args``), the geometry a
   server reports (:class:`Units`) and the known-failure entries
   (:class:`Known`);
-* ``oracle``: the checkpoint arithmetic (:func:`expectation`,
-  :func:`plan_turns`), :class:`Sample`, :class:`Turn`,
-  :func:`check_turn` and :func:`check_paths`;
+* ``compare``: how outputs are judged: :class:`Sample`, :class:`Turn`,
+  :func:`check_turn` (a turn against its rule and its own path) and
+  :func:`check_paths` (across paths, against the case's measured noise);
 * ``reconcile``: the counter rule (:class:`Ledger`,
   :func:`counter_problems`, :func:`expected_requests`);
 * ``clock``: the per-phase clock of a case (:func:`phase`);
@@ -85,7 +90,7 @@ Which module owns what (each imports only the ones above it):
   fixture ``hybrid_suite``) that the CPU tier's conftest and the Kimi-K3
   module register.
 
-oracle.py, reconcile.py and workloads.py are pure (no ``requests``, no
+rules.py, compare.py, reconcile.py and workloads.py are pure (no ``requests``, no
 clock): a unit test or the scheduler tier uses them without a server. No
 module holds mutable state: the pool and the records belong to a
 :class:`Suite`, and servers are listed (for leak checks) in a ``launched``
@@ -125,6 +130,7 @@ from tests.models.hybrid_prefix_cache.harness.client import (  # noqa: F401
     close_window,
     complete,
     give_up,
+    max_model_len,
     open_window,
     read_counters,
     read_metrics,
@@ -135,6 +141,25 @@ from tests.models.hybrid_prefix_cache.harness.clock import (  # noqa: F401
     PHASES,
     PhaseClock,
     phase,
+)
+from tests.models.hybrid_prefix_cache.harness.compare import (  # noqa: F401
+    NUM_LOGPROBS,
+    PATH_NOISE_MARGIN,
+    PATH_NOISE_MIN_PAIRS,
+    Comparison,
+    PathNoise,
+    Sample,
+    Turn,
+    check_paths,
+    check_turn,
+    cold_pairs,
+    compare,
+    control_shifts,
+    first_divergence,
+    logprob_gap,
+    near_tie,
+    pairs_noise,
+    path_noise,
 )
 from tests.models.hybrid_prefix_cache.harness.conversation import (  # noqa: F401
     SHAPES,
@@ -152,7 +177,6 @@ from tests.models.hybrid_prefix_cache.harness.conversation import (  # noqa: F40
     shape_length,
 )
 from tests.models.hybrid_prefix_cache.harness.deployment import (  # noqa: F401
-    PD_PREFILL_BACKOFF,
     Binding,
     Deployment,
     Instance,
@@ -178,38 +202,6 @@ from tests.models.hybrid_prefix_cache.harness.matrix import (  # noqa: F401
     group_by_servers,
     servers_mark,
     shard_by_cost,
-)
-from tests.models.hybrid_prefix_cache.harness.oracle import (  # noqa: F401
-    FIRST_PROMPT_BLOCKS,
-    FIRST_PROMPT_TAIL,
-    NUM_LOGPROBS,
-    NUM_TURNS,
-    PATH_NOISE_MARGIN,
-    PATH_NOISE_MIN_PAIRS,
-    TURN_TOKENS,
-    Comparison,
-    PathNoise,
-    PlannedTurn,
-    Sample,
-    Turn,
-    check_paths,
-    check_turn,
-    cold_pairs,
-    compare,
-    control_shifts,
-    expectation,
-    expected_cached,
-    expected_resend,
-    first_divergence,
-    hit_bound,
-    impossible_hit,
-    logprob_gap,
-    near_tie,
-    pairs_noise,
-    path_noise,
-    plan_turns,
-    prompt_end_checkpoint,
-    seen_lengths,
 )
 from tests.models.hybrid_prefix_cache.harness.plugin import (  # noqa: F401
     SuitePlugin,
@@ -237,6 +229,28 @@ from tests.models.hybrid_prefix_cache.harness.records import (  # noqa: F401
     CaseRecord,
     format_table,
     reported_case,
+)
+from tests.models.hybrid_prefix_cache.harness.rules import (  # noqa: F401
+    FIRST_PROMPT_BLOCKS,
+    FIRST_PROMPT_TAIL,
+    NUM_TURNS,
+    PD_PREFILL_BACKOFF,
+    TURN_TOKENS,
+    Drafting,
+    PlannedTurn,
+    decode_checkpoint,
+    decoded_expectation,
+    drafting,
+    expectation,
+    expected_cached,
+    expected_resend,
+    hit_bound,
+    holds_for,
+    impossible_hit,
+    plan_turns,
+    prompt_end_checkpoint,
+    release_under_test,
+    seen_lengths,
 )
 from tests.models.hybrid_prefix_cache.harness.servers import (  # noqa: F401
     HEALTH_POLL_INTERVAL,

@@ -23,6 +23,7 @@ from tests.models.hybrid_prefix_cache.harness.client import (
     read_counters,
     send,
 )
+from tests.models.hybrid_prefix_cache.harness.compare import Turn
 from tests.models.hybrid_prefix_cache.harness.conversation import (
     Conversation,
     Play,
@@ -39,7 +40,6 @@ from tests.models.hybrid_prefix_cache.harness.conversation import (
     shape_length,
 )
 from tests.models.hybrid_prefix_cache.harness.deployment import (
-    PD_PREFILL_BACKOFF,
     Binding,
     Deployment,
     Known,
@@ -47,11 +47,6 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (
     Units,
     select_known,
     with_serve_args,
-)
-from tests.models.hybrid_prefix_cache.harness.oracle import (
-    NUM_TURNS,
-    PlannedTurn,
-    Turn,
 )
 from tests.models.hybrid_prefix_cache.harness.reconcile import (
     FIRST_TOKENS,
@@ -62,6 +57,11 @@ from tests.models.hybrid_prefix_cache.harness.reconcile import (
     decoder_resend_hit,
 )
 from tests.models.hybrid_prefix_cache.harness.records import CaseRecord, reported_case
+from tests.models.hybrid_prefix_cache.harness.rules import (
+    NUM_TURNS,
+    PD_PREFILL_BACKOFF,
+    PlannedTurn,
+)
 from tests.models.hybrid_prefix_cache.harness.servers import ServerPool
 from tests.models.hybrid_prefix_cache.harness.workloads import (
     ABORT_AFTER_FRACTION,

@@ -14,8 +14,8 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.models.hybrid_prefix_cache.harness.clock import phase
+from tests.models.hybrid_prefix_cache.harness.compare import NUM_LOGPROBS, Sample, Turn
 from tests.models.hybrid_prefix_cache.harness.deployment import Mode
-from tests.models.hybrid_prefix_cache.harness.oracle import NUM_LOGPROBS, Sample, Turn
 from tests.models.hybrid_prefix_cache.harness.reconcile import (
     EXTERNAL_HITS,
     EXTERNAL_QUERIES,
@@ -119,6 +119,13 @@ def read_counters(server: Server) -> dict[str, float | None]:
     }
 
 
+def max_model_len(server: Server) -> int:
+    """The longest sequence ``server`` serves (its /v1/models entry)."""
+    response = requests.get(server.url_for("v1/models"), timeout=CONTROL_TIMEOUT)
+    response.raise_for_status()
+    return int(response.json()["data"][0]["max_model_len"])
+
+
 def cache_config(server: Server) -> dict[str, str]:
     """The labels of the server's ``vllm:cache_config_info`` metric."""
     samples = read_metrics(server).get("vllm:cache_config_info")
@@ -149,9 +156,11 @@ def _completion(
     salt: str,
     max_tokens: int,
     kv_transfer_params: dict | None,
+    ignore_eos: bool = False,
 ) -> dict:
     """The body of a greedy completion of ``prompt`` (token ids) under
-    ``salt``."""
+    ``salt``; ``ignore_eos``: it generates ``max_tokens`` tokens whatever it
+    samples."""
     body = {
         "model": model,
         "prompt": list(prompt),
@@ -161,6 +170,8 @@ def _completion(
         "cache_salt": salt,
         "return_tokens_as_token_ids": True,
     }
+    if ignore_eos:
+        body["ignore_eos"] = True
     if kv_transfer_params is not None:
         body["kv_transfer_params"] = kv_transfer_params
     return body
@@ -194,9 +205,10 @@ def complete(
     *,
     max_tokens: int = MAX_TOKENS,
     kv_transfer_params: dict | None = None,
+    ignore_eos: bool = False,
 ) -> Sample:
     """A greedy completion of ``prompt`` (token ids) under ``salt``."""
-    body = _completion(model, prompt, salt, max_tokens, kv_transfer_params)
+    body = _completion(model, prompt, salt, max_tokens, kv_transfer_params, ignore_eos)
     response = _post(server, body)
     assert response is not None
     return _answered(server, response, kv_transfer_params)

@@ -18,27 +18,30 @@ from tests.models.hybrid_prefix_cache.harness.client import (
     send,
 )
 from tests.models.hybrid_prefix_cache.harness.clock import phase
+from tests.models.hybrid_prefix_cache.harness.compare import (
+    PathNoise,
+    Turn,
+    check_paths,
+    check_turn,
+    control_shifts,
+)
 from tests.models.hybrid_prefix_cache.harness.deployment import (
     Binding,
     Deployment,
     Mode,
     Units,
 )
-from tests.models.hybrid_prefix_cache.harness.oracle import (
+from tests.models.hybrid_prefix_cache.harness.reconcile import EXTERNAL_HITS
+from tests.models.hybrid_prefix_cache.harness.rules import (
     FIRST_PROMPT_BLOCKS,
     FIRST_PROMPT_TAIL,
     NUM_TURNS,
     TURN_TOKENS,
-    PathNoise,
+    Drafting,
     PlannedTurn,
-    Turn,
-    check_paths,
-    check_turn,
-    control_shifts,
     expectation,
     plan_turns,
 )
-from tests.models.hybrid_prefix_cache.harness.reconcile import EXTERNAL_HITS
 from tests.models.hybrid_prefix_cache.harness.servers import Server
 
 
@@ -124,6 +127,12 @@ class Play:
     stop: Callable[[Sequence[Turn]], bool] | None = None
 
     @property
+    def drafting(self) -> Drafting:
+        """What the drafter changes on the instance that consults its prefix
+        cache (the prefiller under P/D)."""
+        return self.mode.drafting(self.deployment.instances[0])
+
+    @property
     def recompute_atol(self) -> float | None:
         """What a hit and its recompute may differ by: ``logprob_atol``
         where both took one path, else the case's path tolerance."""
@@ -185,7 +194,7 @@ def recompute_turn(play: Play, turn: Turn) -> None:
         play.units,
         play.logprob_atol,
         play.deployment.compares_logprobs,
-        play.mode.drops_unit,
+        play.drafting.drops_unit,
     )
 
 
@@ -197,7 +206,7 @@ def play_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
 
 def measure_path_noise(play: Play, turns: Sequence[Turn]) -> None:
     """Send the further cold controls that ``turns`` need to measure the
-    case's path noise on PATH_NOISE_MIN_PAIRS pairs (oracle.control_shifts):
+    case's path noise on PATH_NOISE_MIN_PAIRS pairs (compare.control_shifts):
     each on the decoder alone, under a fresh salt, the turn's prompt and the
     first tokens of its recompute."""
     decoder, model = play.servers[-1], play.binding.model
@@ -214,7 +223,7 @@ def measure_path_noise(play: Play, turns: Sequence[Turn]) -> None:
 def finish_turns(play: Play, turns: Sequence[Turn]) -> None:
     """Once every turn of a case is played: measure its path noise on
     enough cold controls (:func:`measure_path_noise`), then hold its
-    comparisons across paths to it (oracle.check_paths)."""
+    comparisons across paths to it (compare.check_paths)."""
     measure_path_noise(play, turns)
     play.noise = check_paths(
         turns, play.logprob_atol, play.deployment.compares_logprobs
@@ -225,8 +234,9 @@ def planned_turn(play: Play, label: str, planned: PlannedTurn) -> Turn:
     """The :class:`Turn` of ``planned`` with its expected hit and bound for
     the case's geometry, drafter and deployment."""
     backoff = play.deployment.cache_backoff
+    rule = play.drafting
     expected, bound = expectation(
-        planned, play.units.hit, play.mode.drops_unit, backoff
+        planned, play.units.hit, rule.drops_unit, backoff, rule.lookahead
     )
     return Turn(
         label,

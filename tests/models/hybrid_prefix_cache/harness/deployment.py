@@ -11,17 +11,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from math import lcm
 
-from tests.models.hybrid_prefix_cache.harness import drafting
+from packaging.version import Version
 
-# The trailing prompt tokens a P/D prefiller never sees. vLLM's NIXL
-# scheduler truncates a do_remote_decode request when it is added
-# (distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py,
-# _prefill_backoff and _truncate_request_for_prefill): by one token for a
-# model with Mamba layers, whose last token the decoder recomputes; by more
-# only for multi-module MTP, which no tier here uses. The prefiller's lookup,
-# its checkpoints and its query counter see the shorter prompt, and the
-# decoder loads exactly that many tokens (_get_remote_prefill_token_count).
-PD_PREFILL_BACKOFF = 1
+from tests.models.hybrid_prefix_cache.harness import rules
+from tests.models.hybrid_prefix_cache.harness.rules import PD_PREFILL_BACKOFF
 
 
 @dataclass(frozen=True)
@@ -41,10 +34,21 @@ class Mode:
 
     @property
     def drops_unit(self) -> bool:
-        """Whether the installed vLLM drops the trailing hit unit for this
-        drafter (:func:`drafting.drops_unit`: its own
-        ``SpeculativeConfig.use_eagle_block_drop``)."""
-        return drafting.drops_unit(self.spec)
+        """Whether the vLLM under test drops the trailing hit unit for this
+        drafter on an instance without a KV connector
+        (:func:`rules.drafting`)."""
+        return self.drafting().drops_unit
+
+    def drafting(self, instance: "Instance | None" = None) -> rules.Drafting:
+        """What this mode's drafter changes in ``instance``'s prefix cache
+        (None: one without a KV connector): :func:`rules.drafting`."""
+        if instance is None:
+            return rules.drafting(self.spec)
+        return rules.drafting(
+            self.spec,
+            kv_config=instance.kv_config,
+            prefix_caching=instance.prefix_caching,
+        )
 
     def args(self, prefix_caching: bool = True) -> list[str]:
         """The mode's ``vllm serve`` arguments; an instance without prefix
@@ -197,7 +201,7 @@ class Binding:
     cold twin under P/D): 0.0 where one path is bit-exact, None where no
     tolerance holds (GPUs: check_logprobs_close alone). Comparisons across
     two paths are held to the noise each case measures on its cold controls
-    instead (oracle.check_paths). ``concurrent_start`` starts a
+    instead (compare.check_paths). ``concurrent_start`` starts a
     deployment's instances at once instead of one after another.
     """
 
@@ -260,6 +264,10 @@ class Known:
     config (``at_config``), in the oracle's own wording of a problem on the
     case's record (``in_record``), or else in a crash: an exception and the
     logs of the case's servers (harness.failure_text).
+
+    ``releases`` names the vLLM releases the failure holds for (a PEP 440
+    specifier such as "<0.34"; None: every release); under another, the
+    case is expected to pass.
     """
 
     kind: str
@@ -269,6 +277,7 @@ class Known:
     confirmed_by: str | None = None
     at_config: bool = False
     in_record: bool = False
+    releases: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("xfail", "unsupported"):
@@ -285,7 +294,14 @@ class Known:
             return "config"
         return "record" if self.in_record else "crash"
 
+    def holds(self, version: Version | None = None) -> bool:
+        """Whether the failure holds for ``version`` (default: the vLLM
+        under test)."""
+        return rules.holds_for(self.releases, version)
+
     def applies(self, units: "Units | None") -> bool:
+        if not self.holds():
+            return False
         if self.geometry is None:
             return True
         return units is not None and (units.block, units.hit) == self.geometry

@@ -22,7 +22,7 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (
     Units,
     select_known,
 )
-from tests.models.hybrid_prefix_cache.harness.oracle import NUM_TURNS
+from tests.models.hybrid_prefix_cache.harness.rules import NUM_TURNS
 from tests.models.hybrid_prefix_cache.harness.workloads import WORKLOADS
 
 # Tests marked with the same key need the same servers; the plugin puts
@@ -238,9 +238,11 @@ class Matrix:
         return self.deployments[case.deployment], self.modes[case.mode]
 
     def known_for(self, case_id: str) -> tuple[Known, ...]:
-        """The known failures of a case: its own, or its cell's."""
+        """The known failures of a case that hold for the vLLM under test:
+        its own, or its cell's."""
         case = self.cases[case_id]
-        return tuple(self.known.get(case_id, self.known.get(case.cell, ())))
+        entries = self.known.get(case_id, self.known.get(case.cell, ()))
+        return tuple(known for known in entries if known.holds())
 
     def concurrent_shapes(self, case_id: str, units: Units | None) -> tuple[str, ...]:
         """The sweep shapes a concurrent case plays at once where its

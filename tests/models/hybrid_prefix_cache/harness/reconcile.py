@@ -9,13 +9,16 @@ the deltas here."""
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from tests.models.hybrid_prefix_cache.harness.compare import Turn
 from tests.models.hybrid_prefix_cache.harness.deployment import (
-    PD_PREFILL_BACKOFF,
     Deployment,
     Mode,
     Units,
 )
-from tests.models.hybrid_prefix_cache.harness.oracle import Turn, expected_resend
+from tests.models.hybrid_prefix_cache.harness.rules import (
+    PD_PREFILL_BACKOFF,
+    expected_resend,
+)
 
 # Prometheus counters the oracle reconciles, by role.
 PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
@@ -124,7 +127,7 @@ def decoder_resend_hit(
       the prompt's end, past its checkpoint.
 
     Its lookup resumes at a state no deeper than the resent prompt's own
-    checkpoint (oracle.expected_resend, of the whole prompt, which it sees;
+    checkpoint (rules.expected_resend, of the whole prompt, which it sees;
     with a drafter that drops a unit, the unit past the state is its proof):
     the last block end within both. A decoder that hashed nothing would hit
     0 (vLLM #42547). It hits nothing where it keeps no prefix cache
@@ -136,7 +139,9 @@ def decoder_resend_hit(
     if not deployment.decode.prefix_caching or deployment.offload:
         return 0
     loaded = prompt_len - PD_PREFILL_BACKOFF
-    deepest = min(loaded, expected_resend(prompt_len, units.hit, mode.drops_unit))
+    rule = mode.drafting(deployment.decode)
+    resend = expected_resend(prompt_len, units.hit, rule.drops_unit, rule.lookahead)
+    deepest = min(loaded, resend)
     return deepest // units.block * units.block
 
 

@@ -18,9 +18,7 @@ from tests.models.hybrid_prefix_cache.harness.client import (
     PREFILL_KV_TRANSFER_PARAMS,
 )
 from tests.models.hybrid_prefix_cache.harness.clock import CLOCK, PhaseClock
-from tests.models.hybrid_prefix_cache.harness.conversation import Play
-from tests.models.hybrid_prefix_cache.harness.deployment import Units
-from tests.models.hybrid_prefix_cache.harness.oracle import (
+from tests.models.hybrid_prefix_cache.harness.compare import (
     NUM_LOGPROBS,
     Comparison,
     PathNoise,
@@ -28,6 +26,8 @@ from tests.models.hybrid_prefix_cache.harness.oracle import (
     Turn,
     first_divergence,
 )
+from tests.models.hybrid_prefix_cache.harness.conversation import Play
+from tests.models.hybrid_prefix_cache.harness.deployment import Units
 from tests.models.hybrid_prefix_cache.harness.servers import report_folder
 from tests.models.hybrid_prefix_cache.reproducer import serve_info, update_reproducer
 

@@ -8,15 +8,17 @@ expectation. Pure: no server, no clock, no vLLM import."""
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tests.models.hybrid_prefix_cache.harness.deployment import Units
-from tests.models.hybrid_prefix_cache.harness.oracle import (
-    FIRST_PROMPT_BLOCKS,
-    FIRST_PROMPT_TAIL,
-    TURN_TOKENS,
+from tests.models.hybrid_prefix_cache.harness.compare import (
     PathNoise,
     Turn,
     compare,
     pairs_noise,
+)
+from tests.models.hybrid_prefix_cache.harness.deployment import Units
+from tests.models.hybrid_prefix_cache.harness.rules import (
+    FIRST_PROMPT_BLOCKS,
+    FIRST_PROMPT_TAIL,
+    TURN_TOKENS,
     prompt_end_checkpoint,
 )
 
