@@ -1,0 +1,131 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Fake wheels for dev/tests/test_gpu_bundle.py: a vLLM with the files the
+trim rules cut, its requirements' world, NIXL, and a config over them."""
+
+import base64
+import hashlib
+import random
+import zipfile
+from pathlib import Path
+
+VERSION = "9.9.0"
+TRIMMED = [
+    "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",
+    "vllm/vllm-rs",
+    "vllm/third_party/fmha_sm100/attn.py",
+    "vllm/third_party/deep_gemm/_C.cpython-310-x86_64-linux-gnu.so",
+    "vllm/third_party/deep_gemm/_C.cpython-313-x86_64-linux-gnu.so",
+]
+KEPT_SO = "vllm/third_party/deep_gemm/_C.cpython-312-x86_64-linux-gnu.so"
+
+
+def record_hash(data: bytes) -> str:
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest())
+    return "sha256=" + digest.rstrip(b"=").decode()
+
+
+def make_wheel(dest: Path, name: str, version: str, requires=(), files=None) -> Path:
+    """A pure wheel with a consistent RECORD."""
+    dist = name.replace("-", "_")
+    info = f"{dist}-{version}.dist-info"
+    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+    extras = {r.split("extra == ")[1].strip("'\"") for r in requires if "extra ==" in r}
+    meta += "".join(f"Provides-Extra: {e}\n" for e in sorted(extras))
+    meta += "".join(f"Requires-Dist: {r}\n" for r in requires)
+    wheel = "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+    entries = dict(files or {f"{dist}/__init__.py": b""})
+    entries[f"{info}/METADATA"] = meta.encode()
+    entries[f"{info}/WHEEL"] = (wheel + "Tag: py3-none-any\n").encode()
+    record = "".join(f"{n},{record_hash(d)},{len(d)}\n" for n, d in entries.items())
+    entries[f"{info}/RECORD"] = (record + f"{info}/RECORD,,\n").encode()
+    path = dest / f"{dist}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        for n, d in entries.items():
+            zf.writestr(zipfile.ZipInfo(n, (2020, 1, 1, 0, 0, 0)), d)
+    return path
+
+
+def fake_index(dest: Path) -> Path:
+    """A fake vLLM and its world, as wheels; what each one exercises is beside it."""
+    rng = random.Random(0)
+    noise = rng.randbytes  # incompressible, so the tar spans several parts
+    vllm_files = {
+        "vllm/__init__.py": f'__version__ = "{VERSION}"\n'.encode(),
+        "vllm/payload.bin": noise(300_000),
+        KEPT_SO: noise(1000),
+        **{p: noise(2000) for p in TRIMMED},
+    }
+    vllm = make_wheel(
+        dest,
+        "vllm",
+        VERSION,
+        [
+            "dep-a>=1.0",  # two versions offered: one travels
+            'dep-b; python_version > "3.11"',  # true on the machine's 3.12
+            'dep-old; python_version < "3.12"',  # false there
+            "dep-c[fancy]",  # an extra, whose dependency travels
+            'zen-thing; extra == "zen"',  # an extra of vLLM, not asked for
+            "torch==2.11.0",  # present, known version satisfies
+            "numpy<2.4",  # present, known version 2.5.2 does not
+            "click",  # present, version unknown
+            "heavy-opt",  # declared optional: left out with what only it needs
+        ],
+        vllm_files,
+    )
+    for name, version, requires in [
+        ("dep-a", "1.0", ["dep-e"]),
+        ("dep-a", "1.1", ["dep-e"]),
+        ("dep-b", "1.0", []),
+        ("dep-old", "1.0", []),
+        ("dep-c", "1.0", ['dep-d; extra == "fancy"']),
+        ("dep-d", "1.0", []),
+        ("dep-e", "1.0", ["numpy"]),
+        ("zen-thing", "1.0", []),
+        ("heavy-opt", "1.0", ["heavy-only", "dep-a"]),
+        ("heavy-only", "1.0", []),
+        ("torch", "2.11.0", []),
+        ("numpy", "2.3.0", []),
+        ("numpy", "2.5.2", []),
+        ("click", "8.0", []),
+        ("nixl", "1.0.0", ["nixl-cu12==1.0.0", "nixl-cu13==1.0.0"]),
+        ("nixl-cu12", "1.0.0", ["torch"]),
+    ]:
+        make_wheel(dest, name, version, requires)
+    make_wheel(
+        dest,
+        "nixl-cu13",
+        "1.0.0",
+        ["torch", "numpy"],
+        {"nixl_cu13/__init__.py": b"", "nixl_cu13/lib.so": noise(50_000)},
+    )
+    return vllm
+
+
+def fake_config(path: Path, real: dict) -> Path:
+    """The real machine and trim rules; a fake world's present and excluded."""
+    lines = [
+        f'vllm = "{VERSION}"',
+        'nixl = ["nixl==1.0.0", "nixl-cu13==1.0.0"]',
+        f"part_mib = {real['part_mib']}",
+        "[machine]",
+        *(f'{k} = "{v}"' for k, v in real["machine"].items() if k != "markers"),
+        "[machine.markers]",
+        *(f'{k} = "{v}"' for k, v in real["machine"]["markers"].items()),
+        "[present]",
+        'unversioned = ["click"]',
+        "[present.versions]",
+        'torch = "2.11.0"',
+        'numpy = "2.5.2"',
+        "[excluded]",
+        'heavy-opt = "heavy and optional, in the test"',
+        'nixl-cu12 = "the other CUDA build"',
+    ]
+    for rule in real["trim"]:
+        lines += [
+            "[[trim]]",
+            f"pattern = '{rule['pattern']}'",
+            f'reason = "{rule["reason"]}"',
+        ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
