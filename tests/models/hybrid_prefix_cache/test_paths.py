@@ -495,3 +495,56 @@ def test_a_growing_turn_above_the_rule_is_a_notice():
     )
     check_turn(t, Units(block=128, hit=128), 0.0)
     assert t.problems == [] and "above the expected 768" in t.notices[0]
+
+
+def mid_block_turn(hit_gap: float, control_gap: float) -> Turn:
+    """A partial hit at 272 of a block of 80 (a GPU under the derived
+    budget): its state was stored and reloaded inside a block, where its
+    recompute kept it, so it is held to the noise of cold decode-against-
+    prefill pairs (the recompute from its second token against a control)."""
+    played = turn(
+        1,
+        277,
+        1054,
+        16,
+        sample(hit_gap, cached=272, prompt_len=1054),
+        sample(prompt_len=1054),
+        mid_block=True,
+    )
+    played.control = sample(control_gap, prompt_len=1055, shift=1)
+    played.more_controls = [
+        sample(control_gap, prompt_len=1055 + i, shift=i) for i in (2, 3, 4)
+    ]
+    return played
+
+
+def test_a_mid_block_hit_is_held_to_the_measured_noise():
+    """Not bit for bit: within the case's tolerance it passes, and its
+    comparison says it used the measured noise."""
+    played = mid_block_turn(hit_gap=0.03, control_gap=0.01)
+    check_turn(played, Units(block=80, hit=16), 0.0)
+    assert played.problems == [] and played.comparisons == []
+    noise = check_paths([played], 0.0)
+    assert noise is not None and noise.floor == pytest.approx(0.01)
+    (comparison,) = played.comparisons
+    assert comparison.what == "hit vs recompute (mid-block: measured noise)"
+    assert not comparison.same_path and comparison.tolerance == noise.tolerance
+    assert played.problems == []
+
+
+def test_a_mid_block_hit_beyond_the_noise_names_the_restored_state():
+    played = mid_block_turn(hit_gap=0.2, control_gap=0.01)
+    check_turn(played, Units(block=80, hit=16), 0.0)
+    check_paths([played], 0.0)
+    (problem,) = played.problems
+    assert "restored from the prefix cache mid-block" in problem
+    assert "the restored state is wrong" in problem
+
+
+def test_a_hit_on_a_block_stays_exact_where_only_blocks_are():
+    """A hit on a block boundary is on its recompute's path: any gap fails."""
+    hit = sample(1e-3, cached=240, prompt_len=1018)
+    played = turn(1, 241, 1018, 16, hit, sample(prompt_len=1018))
+    check_turn(played, Units(block=80, hit=16), 0.0)
+    (problem,) = played.problems
+    assert "on the same path" in problem and "restored state is wrong" in problem

@@ -14,7 +14,7 @@ move to obey the counter rule. It covers:
 
 * every cell of the Kimi-K3 matrix (``kimi.DEPLOYMENTS`` x ``kimi.MODES``)
   and its exact resends, with the B200 geometry stated in
-  :data:`KIMI_BLOCKS` (the GPU tier cannot run here); its Mooncake resend is
+  ``kimi.KIMI_BLOCKS`` (the GPU tier cannot run here); its Mooncake resend is
   listed and skips, naming what it would need;
 * every case of the CPU tier (``cpu_known.MATRIX``: deployments x modes,
   the tail sweep, the concurrent conversations), with the geometry vLLM
@@ -44,29 +44,6 @@ pytestmark = pytest.mark.skip_global_cleanup
 
 # --- Kimi-K3 on B200 -------------------------------------------------------------
 
-# cache_config.block_size of a Kimi-K3 instance on B200 by (TP size, whether
-# it drafts with DSpark); in Mamba "align" mode the Mamba (KDA) block equals
-# it (Platform._align_hybrid_block_size), and under DCP the MLA block holds
-# block * dcp tokens (resolve_dcp_kv_block_size). _align_hybrid_block_size
-# picks the smallest block whose MLA page (one latent head whatever the TP or
-# DCP size) holds the per-rank KDA state, and that state's shape depends only
-# on the TP size and the drafter's token count (KimiLinearForCausalLM.
-# get_mamba_state_shape_from_config, MambaStateShapeCalculator.
-# kda_state_shape): not on the prefix match unit, the connector or DCP.
-# Seen on B200:
-KIMI_BLOCKS = {
-    # The plain-block turn table: first prompt 17317 = 3 * 5760 + 37, and
-    # turn 1 expected 17280.
-    (1, False): 5760,
-    # Upstream's test comments (tests/models/kimi_k3/test_prefix_cache.py in
-    # the 0.32.0 sdist: "Blocks=6144, PMU=128") and the pd-offload-partial-
-    # dspark turn table: first prompt 18469 = 3 * 6144 + 37.
-    (1, True): 6144,
-    # The dcp2-offload-partial turn table (TP2, DCP2): first prompt
-    # 8869 = 3 * 2944 + 37. Also the TP2 prefiller of pd-tp2-dep2 (TP2
-    # without DCP), whose block was not seen itself but has the same inputs.
-    (2, False): 2944,
-}
 # What the GPU servers run with that the scheduler reads: vLLM's default
 # --max-num-batched-tokens for the API server on a GPU of 160 GB or more
 # (EngineArgs.get_batch_defaults: B200, MI355), the matrix's --max-num-seqs,
@@ -89,19 +66,9 @@ KDA_CHECKPOINTS = {"flashkda": 16, "triton": None}
 
 
 def kimi_geometry(instance: harness.Instance, mode: harness.Mode) -> int | str:
-    """The stated block of ``instance`` in ``mode``, or why there is none."""
-    dspark = mode.spec is not None
-    block = KIMI_BLOCKS.get((instance.tp, dspark))
-    if block is not None:
-        return block
-    what = f"TP{instance.tp}" + (f" with DCP{instance.dcp}" if instance.dcp > 1 else "")
-    return (
-        f"no B200 geometry for a Kimi-K3 instance at {what}"
-        f"{' drafting with DSpark' if dspark else ''}: its cache block (the "
-        f"smallest whose MLA page holds the per-rank KDA state) was never "
-        f"observed; a B200 turn table of such a cell gives it (first prompt = "
-        f"3 * block + 37): add it to KIMI_BLOCKS"
-    )
+    """The stated block of ``instance`` in ``mode`` (kimi.stated_block), or
+    why there is none."""
+    return kimi.stated_block(instance, mode)
 
 
 def kimi_engines(

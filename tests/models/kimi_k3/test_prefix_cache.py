@@ -26,17 +26,21 @@ from pathlib import Path
 
 import pytest
 
+from tests.models.hybrid_prefix_cache import seeded_load
 from tests.models.hybrid_prefix_cache.harness import (
     Binding,
+    CaseRecord,
     Deployment,
     Drafting,
     Instance,
     Known,
     Matrix,
+    Mode,
     ServerPool,
     Suite,
     case_seconds,
     cpu_offload,
+    exact_budget,
     holds_for,
     kv_connector,
     matrix_modes,
@@ -45,6 +49,7 @@ from tests.models.hybrid_prefix_cache.harness import (
     run_resend,
     run_workload,
     servers_mark,
+    with_serve_args,
 )
 from tests.utils import multi_gpu_marks
 from vllm.platforms import current_platform
@@ -70,11 +75,18 @@ PARTIAL_UNIT = 128
 GiB = 1 << 30
 STARTUP_TIMEOUT = 1200.0
 
+# The suite's seeded weights (seeded_load/: no checkpoint, and a wrong
+# restored state shows in the recompute comparison); upstream's test serves
+# vLLM's dummy weights, under which it does not (test_sensitivity.py):
+# KIMI_K3_PREFIX_CACHE_LOAD_FORMAT=dummy serves those.
+LOAD_FORMAT = os.environ.get(
+    "KIMI_K3_PREFIX_CACHE_LOAD_FORMAT", seeded_load.LOAD_FORMAT
+)
 BASE_ARGS = (
     "--trust-remote-code",
     "--language-model-only",
     "--load-format",
-    "dummy",
+    LOAD_FORMAT,
     "--no-enable-flashinfer-autotune",
     "--enable-prompt-tokens-details",
     # The default max_num_seqs runs one GPU out of memory in warmup.
@@ -219,19 +231,83 @@ pytestmark = pytest.mark.skipif(
     ),
 )
 
+# cache_config.block_size of a Kimi-K3 instance on B200 by (TP size, whether
+# it drafts with DSpark); in Mamba "align" mode the Mamba (KDA) block equals
+# it (Platform._align_hybrid_block_size), and under DCP the MLA block holds
+# block * dcp tokens (resolve_dcp_kv_block_size). _align_hybrid_block_size
+# picks the smallest block whose MLA page (one latent head whatever the TP or
+# DCP size) holds the per-rank KDA state, and that state's shape depends only
+# on the TP size and the drafter's token count (KimiLinearForCausalLM.
+# get_mamba_state_shape_from_config, MambaStateShapeCalculator.
+# kda_state_shape): not on the prefix match unit, the connector or DCP.
+# Seen on B200:
+KIMI_BLOCKS = {
+    # The plain-block turn table: first prompt 17317 = 3 * 5760 + 37, and
+    # turn 1 expected 17280.
+    (1, False): 5760,
+    # Upstream's test comments (tests/models/kimi_k3/test_prefix_cache.py in
+    # the 0.32.0 sdist: "Blocks=6144, PMU=128") and the pd-offload-partial-
+    # dspark turn table: first prompt 18469 = 3 * 6144 + 37.
+    (1, True): 6144,
+    # The dcp2-offload-partial turn table (TP2, DCP2): first prompt
+    # 8869 = 3 * 2944 + 37. Also the TP2 prefiller of pd-tp2-dep2 (TP2
+    # without DCP), whose block was not seen itself but has the same inputs.
+    (2, False): 2944,
+}
+
+
+def stated_block(instance: Instance, mode: Mode) -> int | str:
+    """The stated block of ``instance`` in ``mode``, or why there is none."""
+    dspark = mode.spec is not None
+    block = KIMI_BLOCKS.get((instance.tp, dspark))
+    if block is not None:
+        return block
+    what = f"TP{instance.tp}" + (f" with DCP{instance.dcp}" if instance.dcp > 1 else "")
+    return (
+        f"no B200 geometry for a Kimi-K3 instance at {what}"
+        f"{' drafting with DSpark' if dspark else ''}: its cache block (the "
+        f"smallest whose MLA page holds the per-rank KDA state) was never "
+        f"observed; a B200 turn table of such a cell gives it (first prompt = "
+        f"3 * block + 37): add it to KIMI_BLOCKS"
+    )
+
+
 BINDING = Binding(
     model=MODEL,
     base_args=BASE_ARGS,
-    # Any id of the tokenizer's ordinary range; dummy weights do not care.
+    # Any id of the tokenizer's ordinary range; generated weights do not care.
     token_ids=(1000, 100_000),
-    env={},
+    env=dict(seeded_load.ENV) if LOAD_FORMAT == seeded_load.LOAD_FORMAT else {},
     startup_timeout=STARTUP_TIMEOUT,
-    # A hit and a miss run different GEMM shapes on GPUs (vLLM #33123), so
-    # their sampled logprobs are not bit-identical, and no tolerance has been
-    # measured on these GPUs yet: only check_logprobs_close applies.
-    logprob_atol=None,
+    # Exact by construction where the cell's servers schedule one block a
+    # step (served): a hit on a block boundary and its recompute are cut into
+    # the same chunks; a hit inside a block is held to measured noise.
+    logprob_atol=0.0,
     visible_devices_env=current_platform.device_control_env_var,
+    exact_on_blocks=True,
 )
+
+
+def served(case_id: str) -> tuple[Binding, Deployment, Mode]:
+    """The binding, deployment and mode of ``case_id`` as served
+    (:func:`exact`)."""
+    deployment, mode = MATRIX.served(case_id)
+    return (*exact(deployment, mode), mode)
+
+
+def exact(deployment: Deployment, mode: Mode) -> tuple[Binding, Deployment]:
+    """``deployment`` with every instance scheduling one block a step
+    (harness.exact_budget of its stated block), where its block is stated;
+    elsewhere at vLLM's default budget, and then held by
+    check_logprobs_close alone (a hit and its recompute are cut into other
+    chunks: vLLM #33123)."""
+    blocks = {stated_block(instance, mode) for instance in deployment.instances}
+    block = blocks.pop() if len(blocks) == 1 else "instances of other blocks"
+    if isinstance(block, str):
+        return replace(BINDING, logprob_atol=None, exact_on_blocks=False), deployment
+    budget = ("--max-num-batched-tokens", str(exact_budget(block)))
+    return BINDING, with_serve_args(deployment, budget)
+
 
 # The workloads beside the conversation, on each cell's running servers, where
 # a case costs less than the cell's server start. By the 4xB200 step's
@@ -295,15 +371,15 @@ PARAMS = MATRIX.params(device_marks=lambda n: multi_gpu_marks(num_gpus=n))
 
 @pytest.mark.parametrize("case_id", PARAMS)
 def test_prefix_cache(hybrid_suite: Suite, case_id: str) -> None:
-    deployment, mode = MATRIX.served(case_id)
+    binding, deployment, mode = served(case_id)
     known, case = MATRIX.known_for(case_id), MATRIX.cases[case_id]
     if case.workload is None:
-        record = run_case(hybrid_suite, case_id, BINDING, deployment, mode, known=known)
+        record = run_case(hybrid_suite, case_id, binding, deployment, mode, known=known)
     else:
         record = run_workload(
             hybrid_suite,
             case_id,
-            BINDING,
+            binding,
             deployment,
             mode,
             case.workload,
@@ -311,7 +387,20 @@ def test_prefix_cache(hybrid_suite: Suite, case_id: str) -> None:
             num_turns=case.num_turns,
             resend=case.resend,
         )
+    check_stated_block(record, deployment, mode)
     assert record.ok, record.explain()
+
+
+def check_stated_block(record: CaseRecord, deployment: Deployment, mode: Mode):
+    """The block a cell's servers report must be the one KIMI_BLOCKS states
+    for them, which its budget and the scheduler tier's replay take."""
+    stated = stated_block(deployment.instances[0], mode)
+    if record.units is None or isinstance(stated, str):
+        return
+    assert record.units.block == stated, (
+        f"{record.case_id}: the servers report block {record.units.block}, "
+        f"KIMI_BLOCKS states {stated}: update KIMI_BLOCKS"
+    )
 
 
 # The resends need the servers of the matrix's plain cell in RESEND_MODE, so
@@ -321,8 +410,8 @@ def test_prefix_cache(hybrid_suite: Suite, case_id: str) -> None:
 @pytest.mark.parametrize("prompt_len", RESEND_LENGTHS, ids=lambda n: f"resend-{n}")
 def test_exact_resend(request, hybrid_suite: Suite, prompt_len: int) -> None:
     case_id = f"plain-{RESEND_MODE}-{request.node.callspec.id}"
-    plain, mode = DEPLOYMENTS["plain"], MODES[RESEND_MODE]
-    record = run_resend(hybrid_suite, case_id, BINDING, plain, mode, prompt_len)
+    binding, plain, mode = served(f"plain-{RESEND_MODE}")
+    record = run_resend(hybrid_suite, case_id, binding, plain, mode, prompt_len)
     assert record.ok, record.explain()
 
 
@@ -411,15 +500,16 @@ MOONCAKE_DEPLOYMENT = Deployment(
 
 @servers_mark("mooncake-store", case_seconds(1, 2))
 def test_mooncake_store_resend(hybrid_suite: Suite, mooncake_config: str) -> None:
-    binding = replace(
-        BINDING, env={**MOONCAKE_ENV, "MOONCAKE_CONFIG_PATH": mooncake_config}
-    )
+    mode = MODES[RESEND_MODE]
+    binding, deployment = exact(MOONCAKE_DEPLOYMENT, mode)
+    store = {**MOONCAKE_ENV, "MOONCAKE_CONFIG_PATH": mooncake_config}
+    binding = replace(binding, env={**binding.env, **store})
     record = run_resend(
         hybrid_suite,
         f"mooncake-{RESEND_MODE}-resend-{MOONCAKE_RESEND_LENGTH}",
         binding,
-        MOONCAKE_DEPLOYMENT,
-        MODES[RESEND_MODE],
+        deployment,
+        mode,
         MOONCAKE_RESEND_LENGTH,
     )
     assert record.ok, record.explain()

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
+from tests.models.hybrid_prefix_cache import seeded_load
 from tests.models.hybrid_prefix_cache.harness import (
     SERVERS_MARK,
     WORKLOADS,
@@ -373,3 +374,37 @@ def test_mooncake_servers_stop_before_their_master(tmp_path, monkeypatch):
     port = int(master_address.rsplit(":", 1)[1])
     with socket.socket() as sock:
         assert sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+@pytest.mark.parametrize("case_id", MATRIX_IDS)
+def test_cells_compare_exactly_where_their_block_is_stated(case_id: str):
+    """Each cell whose block KIMI_BLOCKS states schedules one block a step
+    on every instance and holds a hit to its recompute bit for bit (a hit
+    inside a block, to measured noise); the others keep vLLM's default
+    budget and check_logprobs_close."""
+    binding, deployment, mode = kimi.served(case_id)
+    blocks = {kimi.stated_block(i, mode) for i in deployment.instances}
+    stated = [b for b in blocks if not isinstance(b, str)]
+    budgets = {
+        _flag(server_args(binding, i, mode), "--max-num-batched-tokens")
+        for i in deployment.instances
+    }
+    if len(blocks) == 1 and stated:
+        assert budgets == {str(stated[0])}, case_id
+        assert binding.logprob_atol == 0.0 and binding.exact_on_blocks, case_id
+    else:
+        assert budgets == {None}, case_id
+        assert binding.logprob_atol is None and not binding.exact_on_blocks
+
+
+def _flag(args: list[str], flag: str) -> str | None:
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def test_served_with_the_seeded_load_format():
+    """The matrix serves the suite's seeded weights (a wrong state shows,
+    test_seeded_load.py), with the plugin's folder on the servers' path;
+    upstream's dummy weights are one variable away."""
+    assert _flag(list(kimi.BASE_ARGS), "--load-format") == kimi.LOAD_FORMAT
+    if kimi.LOAD_FORMAT == seeded_load.LOAD_FORMAT:
+        assert kimi.BINDING.env == seeded_load.ENV

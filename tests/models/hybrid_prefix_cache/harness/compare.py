@@ -6,6 +6,7 @@ outputs against the request that took its numerical path
 noise its cold controls measured (:func:`check_paths`). Pure: no server,
 no clock."""
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -126,6 +127,11 @@ class Turn:
     # tokens.
     more_controls: list[Sample] = field(default_factory=list)
     batched: bool = False
+    # The hit resumed inside a block where the binding is exact on block
+    # boundaries only (Binding.exact_on_blocks): its state was stored and
+    # reloaded where its recompute kept it, so it is held to the case's
+    # measured noise (check_paths), not to its recompute bit for bit.
+    mid_block: bool = False
     seconds: float = 0.0
     problems: list[str] = field(default_factory=list)
     notices: list[str] = field(default_factory=list)
@@ -409,6 +415,12 @@ def check_turn(
                 f"{name}: the {what} reports {sample.prompt_tokens} prompt "
                 f"tokens, sent {turn.prompt_len}"
             )
+    for sample, what in ((out, "hit"), (rec, "recompute"), (turn.twin, "cold twin")):
+        if sample is not None and not all(map(math.isfinite, sample.token_logprobs)):
+            turn.problems.append(
+                f"{name}: the {what} sampled tokens with non-finite logprobs "
+                f"{sample.token_logprobs}: the model computed NaN or inf"
+            )
     for sample, what in ((rec, "recompute"), (turn.twin, "cold twin")):
         if sample is not None and sample.cached_tokens != 0:
             turn.problems.append(
@@ -437,8 +449,9 @@ def check_turn(
         )
     # The cold P/D twin takes the hit's path whatever the TP sizes; a
     # recompute does only where the hit ran alone on the one server. A
-    # batched hit has no request on its path (check_paths).
-    if turn.batched:
+    # batched hit, and one that resumed mid-block where only block
+    # boundaries are exact, have no request on their path (check_paths).
+    if turn.batched or turn.mid_block:
         return
     if turn.twin is not None:
         reference, other = turn.twin, "cold twin"
@@ -467,10 +480,12 @@ def check_paths(
 ) -> PathNoise | None:
     """Hold every comparison across two numerical paths of a case to the
     path noise of its cold controls (:func:`path_noise`): batched, each hit
-    against its batched cold twin; under P/D, each cold twin, decoded from
-    the transferred state, against the decoder's recompute alone (the
-    transfer check). Where ``logprob_atol`` is None, check_logprobs_close
-    alone decides. Returns the path noise, for the record."""
+    against its batched cold twin; a hit that resumed mid-block where only
+    block boundaries are exact (:attr:`Turn.mid_block`), against the request
+    of its path; under P/D, each cold twin, decoded from the transferred
+    state, against the decoder's recompute alone (the transfer check). Where
+    ``logprob_atol`` is None, check_logprobs_close alone decides. Returns
+    the path noise, for the record."""
     noise = path_noise(turns)
     if noise is None or not compare_logprobs:
         return noise
@@ -493,7 +508,18 @@ def check_paths(
                     f"cold twin, {why} ({noise}): path noise beyond what this "
                     f"case's cold controls showed"
                 )
-        elif turn.twin is not None:
+        elif turn.mid_block and turn.output is not None:
+            other = "cold twin" if turn.twin is not None else "recompute"
+            reference = turn.twin if turn.twin is not None else turn.recompute
+            names = ("hit", f"{other} (mid-block: measured noise)")
+            why = compare(turn, turn.output, reference, names, tolerance, False)
+            if why:
+                turn.problems.append(
+                    f"{turn.name}: the hit, {turn.restored} tokens restored from "
+                    f"the prefix cache mid-block, differs from its {other}, {why} "
+                    f"({noise}): the restored state is wrong"
+                )
+        if turn.twin is not None and not turn.batched:
             names = ("cold twin", "decoder alone")
             why = compare(turn, turn.twin, turn.recompute, names, tolerance, False)
             if why:

@@ -159,6 +159,8 @@ def send_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
         reset_prefix_caches(servers)
         before = read_counters(servers[0])[EXTERNAL_HITS]
     turn.output = send(servers, model, prompt, salt, turn.problems)
+    hit = turn.output.cached_tokens
+    turn.mid_block = play.binding.exact_on_blocks and hit % play.units.block != 0
     if play.deployment.offload and turn.output.cached_tokens > 0:
         after = poll_counter(servers[0], EXTERNAL_HITS, lambda v: v > (before or 0))
         if before is None or after is None or after <= before:
@@ -182,10 +184,12 @@ def recompute_turn(play: Play, turn: Turn) -> None:
     start = time.monotonic()
     decoder, model, prompt = play.servers[-1], play.binding.model, turn.prompt
     turn.recompute = complete(decoder, model, prompt, fresh_salt("recompute"))
-    if len(play.servers) > 1:
-        # The recompute's second token came from a decode step; here its
-        # first token is part of the prompt, so the same logprob comes from
-        # the prefill path.
+    if len(play.servers) > 1 or turn.mid_block:
+        # The recompute's second token came from a decode step, from a state
+        # stored after its prefill and reloaded; here its first token is
+        # part of the prompt, so the same logprob comes from the prefill
+        # path, its state kept in the kernel: the noise a P/D decoder's last
+        # token, or a hit resumed mid-block, adds.
         extended = [*prompt, turn.recompute.token_ids[0]]
         turn.control = complete(decoder, model, extended, fresh_salt("control"))
     turn.seconds += time.monotonic() - start

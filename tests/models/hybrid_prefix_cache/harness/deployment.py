@@ -203,6 +203,10 @@ class Binding:
     two paths are held to the noise each case measures on its cold controls
     instead (compare.check_paths). ``concurrent_start`` starts a
     deployment's instances at once instead of one after another.
+    ``exact_on_blocks``: a hit is on its recompute's path only where it
+    resumes on a block boundary (a GPU under a budget of one block); one
+    that resumes inside a block stored and reloaded its state where its
+    recompute kept it, and is held to the case's measured noise.
     """
 
     model: str
@@ -215,6 +219,7 @@ class Binding:
     # instances share the machine (the CPU backend).
     visible_devices_env: str | None = "CUDA_VISIBLE_DEVICES"
     concurrent_start: bool = True
+    exact_on_blocks: bool = False
 
 
 def server_args(binding: Binding, instance: Instance, mode: Mode) -> list[str]:

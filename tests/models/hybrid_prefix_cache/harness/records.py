@@ -180,6 +180,7 @@ class CaseRecord:
                     "control": sample(t.control),
                     "more_controls": [sample(c) for c in t.more_controls],
                     "batched": t.batched,
+                    "mid_block": t.mid_block,
                     "comparisons": [vars(c) for c in t.comparisons],
                     "problems": t.problems,
                     "notices": t.notices,

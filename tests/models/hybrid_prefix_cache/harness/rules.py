@@ -100,6 +100,32 @@ def seen_lengths(prev_len: int, prompt_len: int, backoff: int) -> tuple[int, int
     return max(prev_len - backoff, 0), prompt_len - backoff
 
 
+# --- geometry-derived settings ------------------------------------------------------
+
+
+def exact_budget(block: int) -> int:
+    """A prefill budget (--max-num-batched-tokens) that cuts a hit on a block
+    boundary and its recompute into the same chunks from that boundary on:
+    one block. In Mamba "align" mode every chunk ends on a block boundary
+    (v1/core/sched/scheduler.py Scheduler._mamba_block_aligned_split), so
+    with one block a step every chunk after a boundary is that block,
+    whether the request restored the prefix before it or computed it."""
+    return block
+
+
+def partial_unit(block: int) -> int:
+    """A prefix match unit finer than ``block`` that vLLM accepts with it:
+    the largest power of two below the block that divides it (every KV
+    cache group's block must be a multiple of the unit:
+    v1/core/kv_cache_utils.py resolve_kv_cache_block_sizes)."""
+    unit = block & -block
+    if unit == block:
+        unit //= 2
+    if unit < 1:
+        raise ValueError(f"no prefix match unit below a block of {block}")
+    return unit
+
+
 # --- drafters ----------------------------------------------------------------------
 
 

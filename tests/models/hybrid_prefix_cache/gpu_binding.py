@@ -1,0 +1,150 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The GPU tier's binding: the suite's tiny hybrid model, with its MTP
+layer, served by CUDA vLLM on any one GPU (an L4, H100, H200 or B200): the
+deployments one GPU can serve, the matrix's four modes with MTP drafts, and
+a comparison that is exact by construction. Its known failures and matrix
+are at the end."""
+
+import importlib.util
+import json
+import os
+from dataclasses import replace
+
+import pytest
+
+from tests.models.hybrid_prefix_cache import seeded_load
+from tests.models.hybrid_prefix_cache.harness import (
+    Binding,
+    Deployment,
+    Instance,
+    Matrix,
+    Mode,
+    Units,
+    cpu_offload,
+    exact_budget,
+    kv_connector,
+    matrix_modes,
+    multi_connector,
+    partial_unit,
+    with_serve_args,
+)
+from tests.models.hybrid_prefix_cache.tiny_hybrid import TinyHybrid
+from vllm.platforms import current_platform
+
+GPU_ONLY = pytest.mark.skipif(
+    not current_platform.is_cuda(),
+    reason=(
+        "the GPU tier needs a CUDA GPU and vLLM built for it; this process "
+        f"runs on {current_platform.device_name!r}"
+    ),
+)
+
+# Each server's share of the GPU: P/D puts two instances on the one GPU, and
+# dev/gpu/run_tier.sh plays the deployments side by side, six servers at once.
+GPU_MEMORY_FRACTION = 0.1
+BASE_ARGS = (
+    "--enable-prompt-tokens-details",
+    "--max-model-len",
+    "4096",
+    "--max-num-seqs",
+    "8",
+    "--gpu-memory-utilization",
+    str(GPU_MEMORY_FRACTION),
+    # No CUDA graphs nor torch.compile: what is checked does not depend on
+    # them, and each start is shorter.
+    "--enforce-eager",
+)
+# FlashInfer's GDN prefill, which vLLM picks on SM90, needs the CUTLASS DSL
+# (model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py
+# _resolve_gdn_prefill_backend); where it is not installed, the Triton one.
+TRITON_GDN = ("--additional-config", json.dumps({"gdn_prefill_backend": "triton"}))
+# The load format under which the tier serves: the model's generated weights
+# by default; HYBRID_PC_GPU_LOAD_FORMAT=dummy serves vLLM's dummy weights,
+# under which a wrong state goes unseen (test_sensitivity.py), and
+# =hybrid_seeded the suite's seeded ones (seeded_load/), drawn in the server.
+LOAD_FORMAT_ENV = "HYBRID_PC_GPU_LOAD_FORMAT"
+
+MTP = {"method": "mtp", "num_speculative_tokens": 2}
+# The partial modes' unit comes from the geometry the servers resolve
+# (served_mode, rules.partial_unit): 0 stands for it until then.
+GEOMETRY_UNIT = 0
+MODES = matrix_modes(GEOMETRY_UNIT, "mtp", MTP)
+
+NIXL = kv_connector("NixlConnector")
+# Host memory for the offload tier: the tier's prompts need a few MiB.
+OFFLOAD = cpu_offload(1 << 30)
+NIXL_OFFLOAD = multi_connector(NIXL, OFFLOAD)
+
+DEPLOYMENTS = {
+    "plain": Deployment(),
+    "offload": Deployment(decode=Instance(kv_config=OFFLOAD), offload=True),
+    # Both instances share the one GPU (Binding.visible_devices_env None).
+    "pd": Deployment(prefill=Instance(kv_config=NIXL), decode=Instance(kv_config=NIXL)),
+    "pd-offload": Deployment(
+        prefill=Instance(kv_config=NIXL_OFFLOAD),
+        decode=Instance(kv_config=NIXL_OFFLOAD),
+        offload=True,
+    ),
+}
+
+# Cases that cannot pass on the GPU tier, by case or cell, each with its
+# evidence and the releases it holds for. None seen yet.
+KNOWN: dict = {}
+
+# The first prompt that ends on a block, with and without MTP drafts (vLLM
+# #57605: MambaManager ignored the drafter's lookahead in align-mode
+# allocation, and a prefill chunk ending on a block boundary gave NaN), and
+# the exact P/D resend, on every cell's servers.
+WORKLOADS = {
+    "aligned": tuple(f"{d}-{m}" for d in DEPLOYMENTS for m in MODES),
+    "pd-resend": tuple(f"{d}-{m}" for d in ("pd", "pd-offload") for m in MODES),
+}
+MATRIX = Matrix(
+    DEPLOYMENTS, MODES, KNOWN, workloads=WORKLOADS, workload_turns={"aligned": 2}
+)
+
+
+def gpu_binding(model: TinyHybrid, exact: bool = True) -> Binding:
+    """The GPU tier's binding to a written tiny model: exact against the
+    request on a hit's own path, where ``exact`` (the servers schedule the
+    derived budget, :func:`served`); else check_logprobs_close alone."""
+    args = list(BASE_ARGS)
+    if importlib.util.find_spec("cutlass") is None:
+        args += TRITON_GDN
+    env = {"HF_HUB_OFFLINE": "1"}
+    load_format = os.environ.get(LOAD_FORMAT_ENV)
+    if load_format:
+        args += ["--load-format", load_format]
+    if load_format == seeded_load.LOAD_FORMAT:
+        env.update(seeded_load.ENV)
+    return Binding(
+        model=str(model.path),
+        base_args=tuple(args),
+        token_ids=(model.first_word_id, model.vocab_size),
+        env=env,
+        startup_timeout=900.0,
+        logprob_atol=0.0 if exact else None,
+        visible_devices_env=None,
+        concurrent_start=True,
+        exact_on_blocks=exact,
+    )
+
+
+def served_mode(mode: Mode, units: Units) -> Mode:
+    """``mode`` with the partial unit of the geometry ``units`` the servers
+    resolved (rules.partial_unit of its block)."""
+    if mode.prefix_match_unit != GEOMETRY_UNIT:
+        return mode
+    return replace(mode, prefix_match_unit=partial_unit(units.block))
+
+
+def served(case_id: str, units: Units) -> tuple[Deployment, Mode]:
+    """The deployment and mode of ``case_id`` as the tier serves them where
+    the model resolves to ``units``: a prefill budget of one block
+    (rules.exact_budget), so that a hit on a block boundary and its
+    recompute are cut into the same chunks, and the geometry's partial
+    unit."""
+    deployment, mode = MATRIX.served(case_id)
+    budget = ("--max-num-batched-tokens", str(exact_budget(units.block)))
+    return with_serve_args(deployment, budget), served_mode(mode, units)
