@@ -473,6 +473,26 @@ FORM = ("label", "optional", "soft_fail", "automatic_shard", "parallelism")
 FORM += ("device", "num_devices")
 SHARD_FLAGS = ("--shard-id=$$BUILDKITE_PARALLEL_JOB",)
 SHARD_FLAGS += ("--num-shards=$$BUILDKITE_PARALLEL_JOB_COUNT",)
+TRIGGERS = "source_file_dependencies"
+# What vLLM 0.34.0's KV connector steps run instead of installing them: the
+# packages are baked into its CI image, and the script only verifies them.
+CHECK_SCRIPT = ".buildkite/scripts/check-kv-connectors.sh"
+INSTALL_SCRIPT = SCRIPT.relative_to(ROOT).as_posix()
+# Our steps that declare no mirror of their own: where upstream's step has
+# one (0.34.0's 4xB200 step, on MI355), the merged step's is upstream's.
+WITHOUT_OWN_MIRROR = (SHARDED_KEY, CPU_KEY)
+
+
+def setup(commands: list) -> list:
+    """A step's setup: its commands before its first pytest command."""
+    pytest_at = [i for i, c in enumerate(commands) if c.startswith("pytest ")]
+    return commands[: pytest_at[0] if pytest_at else len(commands)]
+
+
+def scripts(commands: list) -> list[str]:
+    """The files of the checkout's .buildkite/scripts/ that commands run."""
+    found = re.findall(r"(?<![\w.-])(\.buildkite/scripts/[\w./-]+)", " ".join(commands))
+    return list(dict.fromkeys(found))
 
 
 def _sharding(step: dict) -> tuple:
@@ -549,6 +569,14 @@ def test_merged_step_takes_upstreams_form(key):
         return
     for field in FORM:
         assert merged.get(field) == theirs.get(field), (key, field)
+    # Its mirrors too: each of upstream's is there, in upstream's form.
+    for platform, job in (theirs.get("mirror") or {}).items():
+        mine = (merged.get("mirror") or {}).get(platform)
+        assert mine is not None, f"{key}: upstream's {platform} mirror is lost"
+        for field in FORM:
+            assert mine.get(field) == job.get(field), (key, platform, field)
+        if key in WITHOUT_OWN_MIRROR:
+            assert mine == job, f"{key}: the {platform} mirror is not upstream's"
     for command in merged["commands"]:
         if command.startswith("pytest "):
             flags = [flag in command for flag in SHARD_FLAGS]
@@ -563,6 +591,38 @@ def test_merged_step_takes_upstreams_form(key):
         assert lines[label - len(lead) : label] == lead, (
             f"{key}: upstream's {lead} is not right above it"
         )
+
+
+def test_merged_step_runs_upstreams_setup():
+    """How a job gets its packages is upstream's to say: where upstream's
+    step has a setup (the commands before its first pytest), the merged step
+    runs exactly it, with no install of ours: vLLM 0.34.0 bakes the KV
+    connectors into its CI image and its 4xB200 step runs
+    check-kv-connectors.sh ("jobs must not install packages at runtime"),
+    where 0.32.0 and 0.33.0 run install-kv-connectors.sh as ours does."""
+    theirs, _ = upstream_step(SHARDED_KEY)
+    assert theirs is not None, f"upstream has no {SHARDED_KEY}, not even commented out"
+    merged = _step(SHARDED_KEY)
+    their_setup = setup(theirs["commands"])
+    assert their_setup, f"upstream's {SHARDED_KEY} has no setup: {theirs['commands']}"
+    assert setup(merged["commands"]) == their_setup, (merged["commands"], their_setup)
+    assert scripts(merged["commands"]) == scripts(their_setup)
+    if (ROOT / CHECK_SCRIPT).is_file():
+        # The checkout verifies baked-in packages: nothing may install them.
+        assert CHECK_SCRIPT in scripts(merged["commands"]), merged["commands"]
+        assert INSTALL_SCRIPT not in " ".join(merged["commands"]), merged["commands"]
+
+
+@pytest.mark.parametrize("key", OUR_KEYS)
+def test_steps_trigger_on_the_scripts_they_run(key):
+    """A step starts on a change to a script it runs (its mirrors run its
+    commands too), and on no script it does not run."""
+    step = _step(key)
+    ran = scripts(step.get("commands", []))
+    listed = [t for t in step.get(TRIGGERS, []) if t.startswith(".buildkite/scripts/")]
+    missing = [path for path in ran if not (ROOT / path).is_file()]
+    assert not missing, f"{key} runs scripts this checkout lacks: {missing}"
+    assert sorted(listed) == sorted(ran), f"{key}: runs {ran}, triggers on {listed}"
 
 
 def _unsharded(argv: list[str]) -> list[str]:
