@@ -790,6 +790,49 @@ def _vllm_files_with(literal: str, under: str = "") -> set[str]:
     }
 
 
+def _vllm_files_serving(route: str) -> set[str]:
+    """The vLLM entrypoint files that serve ``route``: those registering it,
+    the path the first argument of a call (a router's ``post`` or ``get``, a
+    ``Mount``), not every file that names it (0.34.0's
+    entrypoints/launchers/run_batch.py compares a batch line's URL with
+    "/v1/completions" and serves nothing)."""
+    found = set()
+    for path in _vllm_files_with(f'"{route}"', "entrypoints"):
+        tree = ast.parse((VLLM_SOURCE_ROOT / path).read_text(errors="replace"))
+        for node in ast.walk(tree):
+            first = node.args[0] if isinstance(node, ast.Call) and node.args else None
+            if isinstance(first, ast.Constant) and first.value == route:
+                found.add(path)
+                break
+    return found
+
+
+# Where the suite's drafter rule comes from (harness/drafting.py asks
+# SpeculativeConfig.use_eagle_block_drop): vllm/config/speculative.py, and the
+# drafter configs it imports (0.34.0 moved them to
+# vllm/v1/worker/gpu/spec_decode/; before, it held them itself).
+SPECULATIVE_CONFIG = "vllm/config/speculative.py"
+
+
+def drafter_configs() -> dict[str, str]:
+    """The modules of vLLM's spec-decode packages that SpeculativeConfig
+    imports (of the vLLM under test), as triggers: {path: why}."""
+    tree = ast.parse((VLLM_SOURCE_ROOT / SPECULATIVE_CONFIG).read_text())
+    found = {}
+    for node in ast.walk(tree):
+        module = node.module or "" if isinstance(node, ast.ImportFrom) else ""
+        if "spec_decode" in module.split(".") and (path := _module_path(module)):
+            found[path] = f"{SPECULATIVE_CONFIG} imports {module}"
+    return found
+
+
+def _asks_speculative_config(node: ast.ImportFrom) -> bool:
+    names = {alias.name for alias in node.names}
+    return node.module == "vllm.config.speculative" or (
+        node.module == "vllm.config" and "SpeculativeConfig" in names
+    )
+
+
 def _connector_module(name: str) -> str:
     """The module vLLM's connector factory loads for connector ``name``
     (vllm/distributed/kv_transfer/kv_connector/factory.py registers each
@@ -804,10 +847,11 @@ def _connector_module(name: str) -> str:
 
 def vllm_reads(files: set[str], named: bool = True) -> dict[str, str]:
     """What the suite's ``files`` read of vLLM, as triggers: {path: why}.
-    The vLLM modules they import (less USED_NOT_CHECKED), the files they
-    name (``named``), the files defining the /metrics counters they read,
-    the routes they call (``url_for``) and the connectors they configure
-    (``kv_connector``)."""
+    The vLLM modules they import (less USED_NOT_CHECKED, but with the
+    drafter configs that SpeculativeConfig imports, where they ask it), the
+    files they name (``named``), the files defining the /metrics counters
+    they read, the files serving the routes they call (``url_for``) and the
+    connectors they configure (``kv_connector``)."""
     reads: dict[str, str] = {}
     for file in sorted(files):
         text = (ROOT / file).read_text()
@@ -819,6 +863,9 @@ def vllm_reads(files: set[str], named: bool = True) -> dict[str, str]:
                 path = _module_path(node.module)
                 if path and not covered(path, list(USED_NOT_CHECKED)):
                     reads.setdefault(path, f"{file} imports {node.module}")
+                if _asks_speculative_config(node):
+                    for path, why in drafter_configs().items():
+                        reads.setdefault(path, f"{file} asks SpeculativeConfig: {why}")
             if isinstance(node, ast.Call) and node.args:
                 first = node.args[0]
                 if not isinstance(first, ast.Constant) or not isinstance(
@@ -827,8 +874,8 @@ def vllm_reads(files: set[str], named: bool = True) -> dict[str, str]:
                     continue
                 called = getattr(node.func, "attr", getattr(node.func, "id", ""))
                 if called == "url_for":
-                    route = f'"/{first.value}"'
-                    found = _vllm_files_with(route, "entrypoints")
+                    route = f"/{first.value}"
+                    found = _vllm_files_serving(route)
                     assert found, f"{file} calls {route}, which vLLM serves nowhere"
                     for path in found:
                         reads.setdefault(path, f"{file} calls {route}")
@@ -886,6 +933,60 @@ def test_sharded_step_triggers_on_what_the_harness_reads():
         assert any(covered(r, [path]) or r == path for r in reads), (path, reads)
     missing = _uncovered(step, reads)
     assert not missing, f"{SHARDED_KEY} misses triggers: {missing}"
+
+
+def drafter_code(method: str) -> list[str]:
+    """The code of a speculative method's drafter, as triggers: what vLLM's
+    spec-decode folders hold under the method's name (DSpark's is
+    vllm/v1/worker/gpu/spec_decode/dspark/ in 0.32.0 to 0.34.0)."""
+    found = []
+    for folder in sorted((VLLM_SOURCE_ROOT / "vllm").rglob("spec_decode")):
+        for path in sorted(folder.glob(f"{method}*")):
+            if path.stem == method:
+                found.append(_vllm_path(path.relative_to(VLLM_SOURCE_ROOT).as_posix()))
+    return found
+
+
+def test_sharded_step_triggers_on_its_drafters():
+    """The 4xB200 step starts on a change to the drafter of every
+    speculative mode of the matrix, where this vLLM keeps it, and on the
+    drafter configs SpeculativeConfig answers the harness from."""
+    listed = _step(SHARDED_KEY)[TRIGGERS]
+    methods = {mode.spec["method"] for mode in kimi.MODES.values() if mode.spec}
+    assert methods, "the Kimi-K3 matrix has no speculative mode"
+    for method in sorted(methods):
+        code = drafter_code(method)
+        assert code, f"vLLM has no spec_decode code named {method!r}"
+        missing = [path for path in code if not covered(path, listed)]
+        assert not missing, f"{SHARDED_KEY} misses {method}'s drafter: {missing}"
+    missing = [path for path in drafter_configs() if not covered(path, listed)]
+    assert not missing, f"{SHARDED_KEY} misses the drafter configs: {missing}"
+
+
+def test_drafter_configs_are_what_speculative_config_imports():
+    """The drafter configs read from vllm/config/speculative.py's text are
+    those its imported module holds (0.34.0: SpeculatorConfig and the method
+    registry from vllm/v1/worker/gpu/spec_decode/; none before)."""
+    import vllm.config.speculative as speculative
+
+    held = {
+        _module_path(module)
+        for value in vars(speculative).values()
+        if "spec_decode" in (module := getattr(value, "__module__", None) or "")
+    }
+    assert held <= set(drafter_configs()), (held, drafter_configs())
+
+
+def test_routes_are_read_where_vllm_serves_them():
+    """A route's trigger is the file that registers it, not one that only
+    names it."""
+    for route in ("/v1/completions", "/reset_prefix_cache", "/metrics"):
+        serving = _vllm_files_serving(route)
+        assert serving, route
+        assert all(p.startswith("vllm/entrypoints/") for p in serving), serving
+    naming = _vllm_files_with('"/v1/completions"', "entrypoints")
+    assert _vllm_files_serving("/v1/completions") <= naming
+    assert not _vllm_files_serving("/not/a/route")
 
 
 # The scheduler tier: the per-PR fast signal for the Kimi matrix, on CPU.
