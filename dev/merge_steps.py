@@ -15,9 +15,9 @@ between steps too: the comment above a commented-out step that ours replaces
 stays above ours. The merge verifies all this before printing anything.
 
 Where upstream has the step, active or commented out, upstream has decided
-how it is scheduled and sharded, and the merged step takes that form from
+how it is scheduled, sharded and set up, and the merged step takes that from
 upstream's step (:data:`FORM`, :func:`merged_step`); the rest (triggers,
-commands, dependencies, mirrors) stays ours. The fields and their rule:
+tests, dependencies) stays ours. The fields and their rule:
 
 * ``label``, ``optional``, ``soft_fail``, ``automatic_shard``,
   ``parallelism``, ``device``, ``num_devices``: upstream's value, with its
@@ -27,11 +27,25 @@ commands, dependencies, mirrors) stays ours. The fields and their rule:
   shards the step as we do (the same ``automatic_shard`` and
   ``parallelism``), the larger of the two; where it shards it otherwise,
   upstream's, whose jobs that sharding sizes.
-* ``commands``: without ``parallelism`` no job has a
-  ``BUILDKITE_PARALLEL_JOB``, and vLLM's pipeline generator shards an
-  ``automatic_shard`` step itself, refusing a pytest command that carries
-  pytest-shard's flags: so ``--shard-id``/``--num-shards`` are dropped from
-  our pytest commands when the merged form has no ``parallelism``.
+* ``commands``: a step's setup is its commands before its first pytest
+  command (how the job gets what its tests need). Where upstream's step has
+  a setup, the merged step runs upstream's setup lines, with their comments,
+  in place of ours: vLLM 0.34.0 bakes the KV connectors into its CI image
+  and its step only verifies them (``.buildkite/scripts/
+  check-kv-connectors.sh``: "jobs must not install packages at runtime"),
+  where 0.32.0 and 0.33.0 run ``install-kv-connectors.sh``, as ours does.
+  Our triggers on the ``.buildkite/scripts/`` files our setup runs then
+  give way to those upstream's setup runs.
+  Without ``parallelism`` no job has a ``BUILDKITE_PARALLEL_JOB``, and
+  vLLM's pipeline generator shards an ``automatic_shard`` step itself,
+  refusing a pytest command that carries pytest-shard's flags: so
+  ``--shard-id``/``--num-shards`` are dropped from our pytest commands when
+  the merged form has no ``parallelism``.
+* ``mirror``: a mirror of upstream's step (0.34.0's 4xB200 step runs on
+  ``mi355_4`` too) is kept as upstream has it where ours has no mirror for
+  that platform; where both have one, ours, with the rules above applied to
+  it against upstream's (its ``automatic_shard`` and the other form fields
+  are upstream's).
 """
 
 import re
@@ -50,8 +64,11 @@ FORM = (
     "num_devices",
 )
 TIMEOUT = "timeout_in_minutes"
+TRIGGERS = "source_file_dependencies"
 SHARD_FLAGS = re.compile(r"\s+--(?:shard-id|num-shards)(?:=|\s+)\S+")
-FIELD = re.compile(r"  ([A-Za-z_][\w-]*):")
+# A script of vLLM's .buildkite/scripts/ in a command, by its path in the
+# checkout (the job's /vllm-workspace/ prefix left out).
+SCRIPT = re.compile(r"(?<![\w.-])(\.buildkite/scripts/[\w./-]+)")
 
 
 # ---------------------------------------------------------------------------
@@ -128,16 +145,16 @@ def commented_steps(gap: list[str]) -> list[tuple[int, int, dict]]:
 # A step's fields, as text and as values.
 
 
-def _chunks(body: str) -> list[tuple[str, str]]:
-    """A step's text cut into its top-level fields, in order: (name, text),
-    each text with the comment lines above its field. The first field's
-    ``- `` is written as two spaces, so that fields can be reordered."""
-    lines = body.splitlines(keepends=True)
-    lines[0] = "  " + lines[0][2:]
+def _chunks(text: str, indent: int = 2) -> list[tuple[str, str]]:
+    """A mapping's text cut into its fields at ``indent``, in order: (name,
+    text), each text with the comment lines above its field. A step's first
+    line must come with its ``- `` written as two spaces (:func:`_field_text`),
+    so that fields can be reordered."""
+    field = re.compile(rf"{' ' * indent}([A-Za-z_][\w-]*):")
     chunks: list[list] = []
     pending: list[str] = []
-    for line in lines:
-        match = FIELD.match(line)
+    for line in text.splitlines(keepends=True):
+        match = field.match(line)
         if match:
             chunks.append([match.group(1), [*pending, line]])
             pending = []
@@ -151,9 +168,74 @@ def _chunks(body: str) -> list[tuple[str, str]]:
     return [(name, "".join(text)) for name, text in chunks]
 
 
-def _join(chunks: list[tuple[str, str]]) -> str:
-    text = "".join(text for _, text in chunks)
-    return "- " + text[2:]
+def _field_text(body: str) -> str:
+    """A step's text with its ``- `` written as two spaces."""
+    return "  " + body[2:]
+
+
+def _split_head(chunk: str) -> tuple[str, str]:
+    """A field's text cut after its ``name:`` line (the comments above it
+    and that line; the lines of its value)."""
+    lines = chunk.splitlines(keepends=True)
+    at = next(i for i, x in enumerate(lines) if x.strip() and x.lstrip()[0] != "#")
+    return "".join(lines[: at + 1]), "".join(lines[at + 1 :])
+
+
+def _items(value: str) -> list[str]:
+    """The items of a block sequence's text, each with the comment lines
+    above it (and, for the last, the blank or comment lines after it)."""
+    items: list[list[str]] = []
+    pending: list[str] = []
+    indent = None
+    for line in value.splitlines(keepends=True):
+        stripped = line.lstrip()
+        if stripped.startswith("- ") and indent in (None, len(line) - len(stripped)):
+            indent = len(line) - len(stripped)
+            items.append([*pending, line])
+            pending = []
+        elif not stripped or stripped.startswith("#") or not items:
+            pending.append(line)
+        else:
+            items[-1] += [*pending, line]
+            pending = []
+    if pending:
+        if not items:
+            raise ValueError(f"not a block sequence: {value!r}")
+        items[-1] += pending
+    return ["".join(item) for item in items]
+
+
+def _block_items(commands: list, indent: int) -> list[str]:
+    """``commands`` written as block sequence items at ``indent``."""
+    return [" " * indent + yaml.safe_dump([c], width=float("inf")) for c in commands]
+
+
+def _sequence(chunk: str, values: list) -> tuple[str, list[str]]:
+    """A sequence field's text as (its head, its items' texts); a flow
+    sequence (``[a, b]``) is written out as a block."""
+    head, value = _split_head(chunk)
+    items = _items(value) if value.strip() else []
+    if len(items) == len(values):
+        return head, items
+    *above, line = head.splitlines(keepends=True)
+    indent = len(line) - len(line.lstrip())
+    head = "".join(above) + line[: line.index(":") + 1] + "\n"
+    return head, _block_items(values, indent)
+
+
+def _item_indent(item: str) -> int:
+    line = next(x for x in item.splitlines() if x.lstrip().startswith("- "))
+    return len(line) - len(line.lstrip())
+
+
+def _reindent(text: str, delta: int) -> str:
+    """``text`` moved ``delta`` columns right (left where negative)."""
+    lines = text.splitlines(keepends=True)
+    if delta >= 0:
+        return "".join(" " * delta + line if line.strip() else line for line in lines)
+    cut = -delta
+    assert all(not line.strip() or line[:cut] == " " * cut for line in lines), text
+    return "".join(line[cut:] if line.strip() else line for line in lines)
 
 
 def _sharding(step: dict) -> tuple:
@@ -165,9 +247,45 @@ def unshard(command: str) -> str:
     return SHARD_FLAGS.sub("", command)
 
 
+def _is_pytest(command) -> bool:
+    return isinstance(command, str) and command.startswith("pytest ")
+
+
+def setup(commands: list) -> list:
+    """A step's setup: its commands before its first pytest command."""
+    first = next((i for i, c in enumerate(commands) if _is_pytest(c)), len(commands))
+    return commands[:first]
+
+
+def scripts(commands: list) -> list[str]:
+    """The ``.buildkite/scripts/`` files that ``commands`` run, as triggers
+    name them (relative to the checkout)."""
+    found = []
+    for command in commands:
+        for path in SCRIPT.findall(command if isinstance(command, str) else ""):
+            if path not in found:
+                found.append(path)
+    return found
+
+
+def _setup_triggers(listed: list, ours: list, theirs: list) -> list:
+    """Our triggers with those on the scripts our setup runs replaced by the
+    scripts upstream's setup runs (in the place of the first replaced)."""
+    drop = [s for s in scripts(ours) if s not in scripts(theirs)]
+    add = [s for s in scripts(theirs) if s not in listed]
+    out = []
+    for trigger in listed:
+        if trigger in drop:
+            out += add
+            add = []
+        else:
+            out.append(trigger)
+    return out + add
+
+
 def _fit_commands(commands: list, parallel: bool, key: str) -> list:
     if parallel:
-        pytest_commands = [c for c in commands if c.startswith("pytest ")]
+        pytest_commands = [c for c in commands if _is_pytest(c)]
         if pytest_commands and not any(SHARD_FLAGS.search(c) for c in commands):
             raise ValueError(
                 f"{key}: upstream runs it in parallel jobs, and our pytest "
@@ -177,11 +295,13 @@ def _fit_commands(commands: list, parallel: bool, key: str) -> list:
     return [unshard(c) if isinstance(c, str) else c for c in commands]
 
 
-def merged_step(ours: dict, theirs: dict | None) -> dict:
-    """The values of the step that ours becomes over upstream's (``None``:
-    upstream has no such step). The rule is the module's docstring."""
+def merged_step(ours: dict, theirs: dict | None, key: str | None = None) -> dict:
+    """The values of the step (or mirror job) that ours becomes over
+    upstream's (``None``: upstream has no such step). The rule is the
+    module's docstring."""
     if theirs is None:
         return dict(ours)
+    key = ours.get("key", key)
     merged = {k: v for k, v in ours.items() if k not in FORM}
     merged.update({k: theirs[k] for k in FORM if k in theirs})
     if TIMEOUT in theirs:
@@ -190,40 +310,138 @@ def merged_step(ours: dict, theirs: dict | None) -> dict:
         else:
             merged[TIMEOUT] = theirs[TIMEOUT]
     if "commands" in merged:
+        commands = merged["commands"]
+        their_setup = setup(theirs.get("commands") or [])
+        if their_setup:
+            our_setup = setup(commands)
+            commands = [*their_setup, *commands[len(our_setup) :]]
+            if TRIGGERS in merged:
+                merged[TRIGGERS] = _setup_triggers(
+                    merged[TRIGGERS], our_setup, their_setup
+                )
         parallel = bool(merged.get("parallelism"))
-        merged["commands"] = _fit_commands(merged["commands"], parallel, ours["key"])
+        merged["commands"] = _fit_commands(commands, parallel, key)
+    if isinstance(theirs.get("mirror"), dict):
+        mirror = dict(ours.get("mirror") or {})
+        for platform, job in theirs["mirror"].items():
+            mine = mirror.get(platform)
+            mirror[platform] = job if mine is None else merged_step(mine, job, key)
+        merged["mirror"] = mirror
     return merged
 
 
-def _merged_text(our_body: str, their_body: str | None) -> str:
-    """Our step's text turned into :func:`merged_step`'s values: our fields'
-    text where the value is ours, upstream's (with its comments) where it is
-    upstream's."""
-    if their_body is None:
-        return our_body
-    ours, theirs = _load_step(our_body), _load_step(their_body)
-    want = merged_step(ours, theirs)
-    their_chunks = dict(_chunks(their_body))
+def _commands_text(chunk: str, their_chunk: str, ours: list, theirs: list) -> str:
+    """Our ``commands`` field's text with upstream's setup lines (and their
+    comments) in place of ours, and pytest-shard's flags dropped where the
+    merged step has none (the caller checks the value)."""
+    head, items = _sequence(chunk, ours)
+    their_setup = setup(theirs or [])
+    if their_setup:
+        their_items = _sequence(their_chunk, theirs)[1]
+        shift = _item_indent(items[0]) - _item_indent(their_items[0])
+        their_items = [_reindent(item, shift) for item in their_items]
+        items = [*their_items[: len(their_setup)], *items[len(setup(ours)) :]]
+    lines = "".join(items).splitlines(keepends=True)
+    return head + "".join(unshard(line) for line in lines)
+
+
+def _triggers_text(chunk: str, ours: list, want: list) -> str:
+    """Our trigger list's text turned into ``want``: each trigger that goes
+    is replaced, at its place and under its comments, by those that come."""
+    head, items = _sequence(chunk, ours)
+    add = [t for t in want if t not in ours]
+    out = []
+    for item in items:
+        line = next(x for x in item.splitlines(True) if x.lstrip().startswith("- "))
+        if yaml.safe_load(line.lstrip()[2:]) in want:
+            out.append(item)
+            continue
+        indent = line[: len(line) - len(line.lstrip())]
+        out.append(item.replace(line, "".join(f"{indent}- {t}\n" for t in add)))
+        add = []
+    if add:
+        indent = " " * _item_indent(out[-1])
+        out.append("".join(f"{indent}- {t}\n" for t in add))
+    return head + "".join(out)
+
+
+def _mirror_text(
+    chunk: str, their_chunk: str, ours: dict, theirs: dict, want: dict, indent: int
+) -> str:
+    """Our ``mirror`` field's text turned into ``want``, job by job."""
+    head, value = _split_head(chunk)
+    their_jobs = dict(_chunks(_split_head(their_chunk)[1], indent + 2))
+    jobs = []
+    for platform, text in _chunks(value, indent + 2):
+        if want[platform] != ours[platform]:
+            job_head, fields = _split_head(text)
+            their_fields = _split_head(their_jobs[platform])[1]
+            text = job_head + _fields_text(
+                fields,
+                their_fields,
+                ours[platform],
+                theirs[platform],
+                want[platform],
+                indent + 4,
+            )
+        jobs.append(text)
+    jobs += [their_jobs[p] for p in want if p not in ours]
+    return head + "".join(jobs)
+
+
+def _fields_text(
+    text: str, their_text: str, ours: dict, theirs: dict, want: dict, indent: int
+) -> str:
+    """Our mapping's text (fields at ``indent``) turned into ``want``: our
+    fields' text where the value is ours, upstream's (with its comments)
+    where it is upstream's."""
+    their_chunks = dict(_chunks(their_text, indent))
     chunks = []
-    for name, text in _chunks(our_body):
+    for name, chunk in _chunks(text, indent):
         if name not in want:
             continue
         if want[name] != ours[name]:
             if name == "commands":
-                text = "".join(unshard(line) for line in text.splitlines(True))
+                chunk = _commands_text(
+                    chunk, their_chunks.get(name, ""), ours[name], theirs.get(name)
+                )
+            elif name == TRIGGERS:
+                chunk = _triggers_text(chunk, ours[name], want[name])
+            elif name == "mirror":
+                chunk = _mirror_text(
+                    chunk,
+                    their_chunks[name],
+                    ours[name],
+                    theirs[name],
+                    want[name],
+                    indent,
+                )
             else:
-                text = their_chunks[name]
-        chunks.append((name, text))
+                chunk = their_chunks[name]
+        chunks.append((name, chunk))
     # Upstream's fields that ours lacks, after the field upstream puts them
-    # after (never first: both start with the label).
-    order = [name for name, _ in _chunks(their_body)]
+    # after (a step's never first: it starts with its label).
+    order = [name for name, _ in _chunks(their_text, indent)]
+    first = 1 if indent == 2 else 0
     for index, name in enumerate(order):
         if name not in want or name in dict(chunks):
             continue
         before = [n for n in order[:index] if n in dict(chunks)]
-        at = [n for n, _ in chunks].index(before[-1]) + 1 if before else 1
+        at = [n for n, _ in chunks].index(before[-1]) + 1 if before else first
         chunks.insert(at, (name, their_chunks[name]))
-    return _join(chunks)
+    return "".join(chunk for _, chunk in chunks)
+
+
+def _merged_text(our_body: str, their_body: str | None) -> str:
+    """Our step's text turned into :func:`merged_step`'s values."""
+    if their_body is None:
+        return our_body
+    ours, theirs = _load_step(our_body), _load_step(their_body)
+    want = merged_step(ours, theirs)
+    text = _fields_text(
+        _field_text(our_body), _field_text(their_body), ours, theirs, want, 2
+    )
+    return "- " + text[2:]
 
 
 # ---------------------------------------------------------------------------

@@ -176,6 +176,143 @@ def test_refuses_parallel_jobs_that_would_all_run_everything():
         merge(upstream, 'steps:\n- label: "S"\n  key: s\n  commands: [pytest s]\n')
 
 
+# A file whose step verifies what its image holds instead of installing it,
+# and runs on a second platform too, the way vLLM 0.34.0's 4xB200 step does.
+VERIFIES = """\
+steps:
+- label: "Sharded [Nightly]"
+  key: s
+  optional: true
+  automatic_shard: true
+  timeout_in_minutes: 75
+  device: big
+  source_file_dependencies:
+  - vllm/theirs/
+  - .buildkite/scripts/verify.sh
+  commands:
+  # Baked into the image.
+  - bash /vllm-workspace/.buildkite/scripts/verify.sh
+  - pytest -v -s s.py
+  mirror:
+    other:
+      label: "Sharded elsewhere"
+      device: other_4
+      env:
+        PROTOCOL: "tcp"
+      source_file_dependencies:
+      - vllm/platforms/other.py
+"""
+
+OURS_INSTALLING = """\
+steps:
+- label: "Sharded %N"
+  key: s
+  timeout_in_minutes: 90
+  device: big
+  parallelism: 2
+  source_file_dependencies:
+  - vllm/ours/
+  # The setup script.
+  - .buildkite/scripts/install.sh
+  commands:
+  # Installs what the tests need.
+  - bash /vllm-workspace/.buildkite/scripts/install.sh
+  - pytest -v -s s.py --shard-id=$$BUILDKITE_PARALLEL_JOB --num-shards=$$N
+"""
+
+
+def test_takes_upstreams_setup_and_its_mirror():
+    """Where upstream's step sets itself up otherwise (a verify script, no
+    install), the merged step runs upstream's setup lines with their
+    comments in place of ours, triggers on upstream's script in place of
+    ours, and keeps upstream's mirror, which ours lacks, as upstream has it
+    (its env, and no automatic_shard where upstream gives it none)."""
+    merged = merge(VERIFIES, OURS_INSTALLING)
+    assert merged == (
+        "steps:\n"
+        '- label: "Sharded [Nightly]"\n'
+        "  key: s\n"
+        "  optional: true\n"
+        "  automatic_shard: true\n"
+        "  timeout_in_minutes: 75\n"
+        "  device: big\n"
+        "  source_file_dependencies:\n"
+        "  - vllm/ours/\n"
+        "  # The setup script.\n"
+        "  - .buildkite/scripts/verify.sh\n"
+        "  commands:\n"
+        "  # Baked into the image.\n"
+        "  - bash /vllm-workspace/.buildkite/scripts/verify.sh\n"
+        "  - pytest -v -s s.py\n" + VERIFIES[VERIFIES.index("  mirror:") :]
+    )
+    (step,) = yaml.safe_load(merged)["steps"]
+    theirs = yaml.safe_load(VERIFIES)["steps"][0]
+    assert step["mirror"] == theirs["mirror"]
+    assert "automatic_shard" not in step["mirror"]["other"]
+
+
+def test_takes_upstreams_setup_from_flow_sequences():
+    """Commands and triggers written as flow sequences (``[a, b]``) merge
+    too, written out as blocks where they change."""
+    upstream = (
+        'steps:\n- label: "S"\n  key: s\n  commands: '
+        '["bash /vllm-workspace/.buildkite/scripts/verify.sh", "pytest s"]\n'
+    )
+    ours = (
+        'steps:\n- label: "S"\n  key: s\n'
+        "  source_file_dependencies: [a/, .buildkite/scripts/install.sh]\n"
+        "  commands: [bash /vllm-workspace/.buildkite/scripts/install.sh, pytest s]\n"
+    )
+    assert merge(upstream, ours) == (
+        'steps:\n- label: "S"\n  key: s\n  source_file_dependencies:\n'
+        "  - a/\n  - .buildkite/scripts/verify.sh\n  commands:\n"
+        "  - bash /vllm-workspace/.buildkite/scripts/verify.sh\n  - pytest s\n"
+    )
+
+
+def test_keeps_our_setup_where_upstream_has_none():
+    """An upstream step with no setup lines says nothing of how the job is
+    set up: ours stays."""
+    upstream = VERIFIES.replace(
+        "  # Baked into the image.\n  - bash /vllm-workspace/.buildkite/scripts"
+        "/verify.sh\n",
+        "",
+    )
+    (step,) = yaml.safe_load(merge(upstream, OURS_INSTALLING))["steps"]
+    assert step["commands"][0] == "bash /vllm-workspace/.buildkite/scripts/install.sh"
+    assert ".buildkite/scripts/install.sh" in step["source_file_dependencies"]
+
+
+def test_a_mirror_of_ours_takes_upstreams_mirror_form():
+    """Where both have a mirror for a platform, ours stays, in the form of
+    upstream's (its automatic_shard, label, device); a platform only
+    upstream mirrors to is added as upstream has it."""
+    upstream = (
+        'steps:\n- label: "U"\n  key: u\n  automatic_shard: true\n'
+        "  commands:\n  - pytest u\n  mirror:\n    amd:\n"
+        "      automatic_shard: true\n"
+        '      label: "U amd"\n      device: amd_1\n'
+        "      commands:\n      - pytest theirs\n"
+        '    tpu:\n      label: "U tpu"\n      device: tpu_1\n'
+    )
+    ours = (
+        'steps:\n- label: "U"\n  key: u\n  commands:\n  - pytest u\n'
+        '  mirror:\n    amd:\n      label: "ours"\n      device: amd_1\n'
+        "      commands:\n      # ours\n      - pytest ours\n"
+    )
+    (step,) = yaml.safe_load(merge(upstream, ours))["steps"]
+    assert step["mirror"] == {
+        "amd": {
+            "label": "U amd",
+            "device": "amd_1",
+            "automatic_shard": True,
+            "commands": ["pytest ours"],
+        },
+        "tpu": {"label": "U tpu", "device": "tpu_1"},
+    }
+    assert "      # ours\n      - pytest ours\n" in merge(upstream, ours)
+
+
 def _replaced_in_place(upstream: str, ours: str) -> str:
     """The merge as it was before upstream disabled steps: each of our steps
     replaces upstream's step of its key, text for text, and the others are
@@ -198,11 +335,36 @@ def _replaced_in_place(upstream: str, ours: str) -> str:
 SDISTS = sorted(REPO.glob(".vllm-checkout/vllm-*.tar.gz"))
 
 
+def _upstream_steps(text: str) -> dict[str, dict]:
+    """Upstream's steps by key, active or commented out (``# - label``)."""
+    steps = {s["key"]: s for s in yaml.safe_load(text)["steps"]}
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("# - "):
+            block = [line]
+            for more in lines[i + 1 :]:
+                if not more.startswith("#  "):
+                    break
+                block.append(more)
+            step = yaml.safe_load("\n".join(x[2:] for x in block))[0]
+            steps.setdefault(step["key"], step)
+    return steps
+
+
+def _setup(commands: list) -> list:
+    firsts = [i for i, c in enumerate(commands) if c.startswith("pytest ")]
+    return commands[: firsts[0] if firsts else len(commands)]
+
+
 @pytest.mark.parametrize("sdist", SDISTS, ids=lambda p: p.name)
 def test_ours_over_a_provisioned_release(sdist):
     """Over each release provisioned here: where upstream's steps are active
     and shard as ours do (0.32.0), ours replace them as written; where
-    upstream commented a step out (0.33.0), its comment stays above ours."""
+    upstream commented a step out (0.33.0), its comment stays above ours.
+    Where upstream has one of our steps, the merged step runs upstream's
+    setup (0.34.0: check-kv-connectors.sh, not our install script) and
+    keeps upstream's mirrors (0.34.0's MI355 one for the 4xB200 step, with
+    its env and sharding as upstream has them, ours declaring none)."""
     name = sdist.name.removesuffix(".tar.gz")
     with tarfile.open(sdist) as tar:
         member = tar.extractfile(f"{name}/{AREA}")
@@ -215,3 +377,18 @@ def test_ours_over_a_provisioned_release(sdist):
     for line in upstream.splitlines():
         if line.startswith("# ") and not line.startswith(("# - ", "#  ")):
             assert line in merged.splitlines(), line
+    theirs = _upstream_steps(upstream)
+    mine = {s["key"]: s for s in yaml.safe_load(ours)["steps"]}
+    for step in yaml.safe_load(merged)["steps"]:
+        key = step["key"]
+        if key not in mine or key not in theirs:
+            continue
+        their_setup = _setup(theirs[key].get("commands", []))
+        if their_setup:
+            assert _setup(step["commands"]) == their_setup, key
+            scripts = re.findall(r"\.buildkite/scripts/\S+", " ".join(their_setup))
+            listed = [t for t in step["source_file_dependencies"] if ".buildkite/" in t]
+            assert listed == scripts, (key, listed, scripts)
+        for platform, job in (theirs[key].get("mirror") or {}).items():
+            if platform not in (mine[key].get("mirror") or {}):
+                assert step["mirror"][platform] == job, (key, platform)

@@ -4,13 +4,15 @@
 
 ``.buildkite/test_areas/models_basic.yaml`` must parse with unique keys,
 name only paths that exist, trigger each step on every file of the suite that
-the step imports, shard the Kimi-K3 matrix so that every case runs exactly
-once, and allow the sharded step no less time than upstream's.
-``.buildkite/scripts/install-kv-connectors.sh`` must pick the NIXL wheel
-variant and the Mooncake build of torch's CUDA version (checked in its dry-run
-mode against a stub ``python3``, and in a real run against stubs that record
-what they are asked to do) and, on this platform, have installed a NIXL that
-imports.
+the step imports and on the scripts it runs, shard the Kimi-K3 matrix so that
+every case runs exactly once, allow the sharded step no less time than
+upstream's, and take upstream's form, setup and mirror where upstream has the
+step. ``.buildkite/scripts/install-kv-connectors.sh`` must install vLLM's
+KV connector lock where the checkout has one, exactly, and elsewhere pick the
+NIXL wheel variant and the Mooncake build of torch's CUDA version (checked in
+its dry-run mode against a stub ``python3``, and in a real run against stubs
+that record what they are asked to do) and, on this platform, have installed
+a NIXL that imports.
 """
 
 import ast
@@ -21,6 +23,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -473,6 +476,26 @@ FORM = ("label", "optional", "soft_fail", "automatic_shard", "parallelism")
 FORM += ("device", "num_devices")
 SHARD_FLAGS = ("--shard-id=$$BUILDKITE_PARALLEL_JOB",)
 SHARD_FLAGS += ("--num-shards=$$BUILDKITE_PARALLEL_JOB_COUNT",)
+TRIGGERS = "source_file_dependencies"
+# What vLLM 0.34.0's KV connector steps run instead of installing them: the
+# packages are baked into its CI image, and the script only verifies them.
+CHECK_SCRIPT = ".buildkite/scripts/check-kv-connectors.sh"
+INSTALL_SCRIPT = SCRIPT.relative_to(ROOT).as_posix()
+# Our steps that declare no mirror of their own: where upstream's step has
+# one (0.34.0's 4xB200 step, on MI355), the merged step's is upstream's.
+WITHOUT_OWN_MIRROR = (SHARDED_KEY, CPU_KEY)
+
+
+def setup(commands: list) -> list:
+    """A step's setup: its commands before its first pytest command."""
+    pytest_at = [i for i, c in enumerate(commands) if c.startswith("pytest ")]
+    return commands[: pytest_at[0] if pytest_at else len(commands)]
+
+
+def scripts(commands: list) -> list[str]:
+    """The files of the checkout's .buildkite/scripts/ that commands run."""
+    found = re.findall(r"(?<![\w.-])(\.buildkite/scripts/[\w./-]+)", " ".join(commands))
+    return list(dict.fromkeys(found))
 
 
 def _sharding(step: dict) -> tuple:
@@ -549,6 +572,14 @@ def test_merged_step_takes_upstreams_form(key):
         return
     for field in FORM:
         assert merged.get(field) == theirs.get(field), (key, field)
+    # Its mirrors too: each of upstream's is there, in upstream's form.
+    for platform, job in (theirs.get("mirror") or {}).items():
+        mine = (merged.get("mirror") or {}).get(platform)
+        assert mine is not None, f"{key}: upstream's {platform} mirror is lost"
+        for field in FORM:
+            assert mine.get(field) == job.get(field), (key, platform, field)
+        if key in WITHOUT_OWN_MIRROR:
+            assert mine == job, f"{key}: the {platform} mirror is not upstream's"
     for command in merged["commands"]:
         if command.startswith("pytest "):
             flags = [flag in command for flag in SHARD_FLAGS]
@@ -563,6 +594,38 @@ def test_merged_step_takes_upstreams_form(key):
         assert lines[label - len(lead) : label] == lead, (
             f"{key}: upstream's {lead} is not right above it"
         )
+
+
+def test_merged_step_runs_upstreams_setup():
+    """How a job gets its packages is upstream's to say: where upstream's
+    step has a setup (the commands before its first pytest), the merged step
+    runs exactly it, with no install of ours: vLLM 0.34.0 bakes the KV
+    connectors into its CI image and its 4xB200 step runs
+    check-kv-connectors.sh ("jobs must not install packages at runtime"),
+    where 0.32.0 and 0.33.0 run install-kv-connectors.sh as ours does."""
+    theirs, _ = upstream_step(SHARDED_KEY)
+    assert theirs is not None, f"upstream has no {SHARDED_KEY}, not even commented out"
+    merged = _step(SHARDED_KEY)
+    their_setup = setup(theirs["commands"])
+    assert their_setup, f"upstream's {SHARDED_KEY} has no setup: {theirs['commands']}"
+    assert setup(merged["commands"]) == their_setup, (merged["commands"], their_setup)
+    assert scripts(merged["commands"]) == scripts(their_setup)
+    if (ROOT / CHECK_SCRIPT).is_file():
+        # The checkout verifies baked-in packages: nothing may install them.
+        assert CHECK_SCRIPT in scripts(merged["commands"]), merged["commands"]
+        assert INSTALL_SCRIPT not in " ".join(merged["commands"]), merged["commands"]
+
+
+@pytest.mark.parametrize("key", OUR_KEYS)
+def test_steps_trigger_on_the_scripts_they_run(key):
+    """A step starts on a change to a script it runs (its mirrors run its
+    commands too), and on no script it does not run."""
+    step = _step(key)
+    ran = scripts(step.get("commands", []))
+    listed = [t for t in step.get(TRIGGERS, []) if t.startswith(".buildkite/scripts/")]
+    missing = [path for path in ran if not (ROOT / path).is_file()]
+    assert not missing, f"{key} runs scripts this checkout lacks: {missing}"
+    assert sorted(listed) == sorted(ran), f"{key}: runs {ran}, triggers on {listed}"
 
 
 def _unsharded(argv: list[str]) -> list[str]:
@@ -730,6 +793,49 @@ def _vllm_files_with(literal: str, under: str = "") -> set[str]:
     }
 
 
+def _vllm_files_serving(route: str) -> set[str]:
+    """The vLLM entrypoint files that serve ``route``: those registering it,
+    the path the first argument of a call (a router's ``post`` or ``get``, a
+    ``Mount``), not every file that names it (0.34.0's
+    entrypoints/launchers/run_batch.py compares a batch line's URL with
+    "/v1/completions" and serves nothing)."""
+    found = set()
+    for path in _vllm_files_with(f'"{route}"', "entrypoints"):
+        tree = ast.parse((VLLM_SOURCE_ROOT / path).read_text(errors="replace"))
+        for node in ast.walk(tree):
+            first = node.args[0] if isinstance(node, ast.Call) and node.args else None
+            if isinstance(first, ast.Constant) and first.value == route:
+                found.add(path)
+                break
+    return found
+
+
+# Where the suite's drafter rule comes from (harness/drafting.py asks
+# SpeculativeConfig.use_eagle_block_drop): vllm/config/speculative.py, and the
+# drafter configs it imports (0.34.0 moved them to
+# vllm/v1/worker/gpu/spec_decode/; before, it held them itself).
+SPECULATIVE_CONFIG = "vllm/config/speculative.py"
+
+
+def drafter_configs() -> dict[str, str]:
+    """The modules of vLLM's spec-decode packages that SpeculativeConfig
+    imports (of the vLLM under test), as triggers: {path: why}."""
+    tree = ast.parse((VLLM_SOURCE_ROOT / SPECULATIVE_CONFIG).read_text())
+    found = {}
+    for node in ast.walk(tree):
+        module = node.module or "" if isinstance(node, ast.ImportFrom) else ""
+        if "spec_decode" in module.split(".") and (path := _module_path(module)):
+            found[path] = f"{SPECULATIVE_CONFIG} imports {module}"
+    return found
+
+
+def _asks_speculative_config(node: ast.ImportFrom) -> bool:
+    names = {alias.name for alias in node.names}
+    return node.module == "vllm.config.speculative" or (
+        node.module == "vllm.config" and "SpeculativeConfig" in names
+    )
+
+
 def _connector_module(name: str) -> str:
     """The module vLLM's connector factory loads for connector ``name``
     (vllm/distributed/kv_transfer/kv_connector/factory.py registers each
@@ -744,10 +850,11 @@ def _connector_module(name: str) -> str:
 
 def vllm_reads(files: set[str], named: bool = True) -> dict[str, str]:
     """What the suite's ``files`` read of vLLM, as triggers: {path: why}.
-    The vLLM modules they import (less USED_NOT_CHECKED), the files they
-    name (``named``), the files defining the /metrics counters they read,
-    the routes they call (``url_for``) and the connectors they configure
-    (``kv_connector``)."""
+    The vLLM modules they import (less USED_NOT_CHECKED, but with the
+    drafter configs that SpeculativeConfig imports, where they ask it), the
+    files they name (``named``), the files defining the /metrics counters
+    they read, the files serving the routes they call (``url_for``) and the
+    connectors they configure (``kv_connector``)."""
     reads: dict[str, str] = {}
     for file in sorted(files):
         text = (ROOT / file).read_text()
@@ -759,6 +866,9 @@ def vllm_reads(files: set[str], named: bool = True) -> dict[str, str]:
                 path = _module_path(node.module)
                 if path and not covered(path, list(USED_NOT_CHECKED)):
                     reads.setdefault(path, f"{file} imports {node.module}")
+                if _asks_speculative_config(node):
+                    for path, why in drafter_configs().items():
+                        reads.setdefault(path, f"{file} asks SpeculativeConfig: {why}")
             if isinstance(node, ast.Call) and node.args:
                 first = node.args[0]
                 if not isinstance(first, ast.Constant) or not isinstance(
@@ -767,8 +877,8 @@ def vllm_reads(files: set[str], named: bool = True) -> dict[str, str]:
                     continue
                 called = getattr(node.func, "attr", getattr(node.func, "id", ""))
                 if called == "url_for":
-                    route = f'"/{first.value}"'
-                    found = _vllm_files_with(route, "entrypoints")
+                    route = f"/{first.value}"
+                    found = _vllm_files_serving(route)
                     assert found, f"{file} calls {route}, which vLLM serves nowhere"
                     for path in found:
                         reads.setdefault(path, f"{file} calls {route}")
@@ -828,6 +938,60 @@ def test_sharded_step_triggers_on_what_the_harness_reads():
     assert not missing, f"{SHARDED_KEY} misses triggers: {missing}"
 
 
+def drafter_code(method: str) -> list[str]:
+    """The code of a speculative method's drafter, as triggers: what vLLM's
+    spec-decode folders hold under the method's name (DSpark's is
+    vllm/v1/worker/gpu/spec_decode/dspark/ in 0.32.0 to 0.34.0)."""
+    found = []
+    for folder in sorted((VLLM_SOURCE_ROOT / "vllm").rglob("spec_decode")):
+        for path in sorted(folder.glob(f"{method}*")):
+            if path.stem == method:
+                found.append(_vllm_path(path.relative_to(VLLM_SOURCE_ROOT).as_posix()))
+    return found
+
+
+def test_sharded_step_triggers_on_its_drafters():
+    """The 4xB200 step starts on a change to the drafter of every
+    speculative mode of the matrix, where this vLLM keeps it, and on the
+    drafter configs SpeculativeConfig answers the harness from."""
+    listed = _step(SHARDED_KEY)[TRIGGERS]
+    methods = {mode.spec["method"] for mode in kimi.MODES.values() if mode.spec}
+    assert methods, "the Kimi-K3 matrix has no speculative mode"
+    for method in sorted(methods):
+        code = drafter_code(method)
+        assert code, f"vLLM has no spec_decode code named {method!r}"
+        missing = [path for path in code if not covered(path, listed)]
+        assert not missing, f"{SHARDED_KEY} misses {method}'s drafter: {missing}"
+    missing = [path for path in drafter_configs() if not covered(path, listed)]
+    assert not missing, f"{SHARDED_KEY} misses the drafter configs: {missing}"
+
+
+def test_drafter_configs_are_what_speculative_config_imports():
+    """The drafter configs read from vllm/config/speculative.py's text are
+    those its imported module holds (0.34.0: SpeculatorConfig and the method
+    registry from vllm/v1/worker/gpu/spec_decode/; none before)."""
+    import vllm.config.speculative as speculative
+
+    held = {
+        _module_path(module)
+        for value in vars(speculative).values()
+        if "spec_decode" in (module := getattr(value, "__module__", None) or "")
+    }
+    assert held <= set(drafter_configs()), (held, drafter_configs())
+
+
+def test_routes_are_read_where_vllm_serves_them():
+    """A route's trigger is the file that registers it, not one that only
+    names it."""
+    for route in ("/v1/completions", "/reset_prefix_cache", "/metrics"):
+        serving = _vllm_files_serving(route)
+        assert serving, route
+        assert all(p.startswith("vllm/entrypoints/") for p in serving), serving
+    naming = _vllm_files_with('"/v1/completions"', "entrypoints")
+    assert _vllm_files_serving("/v1/completions") <= naming
+    assert not _vllm_files_serving("/not/a/route")
+
+
 # The scheduler tier: the per-PR fast signal for the Kimi matrix, on CPU.
 SCHEDULER_TIER = (
     *sorted(
@@ -881,7 +1045,9 @@ def _script_setting(name: str) -> str:
 
 
 # A python3 for the script's dry runs: it answers the platform probe with
-# $STUB_PROBE and runs every other script it is given with this interpreter.
+# $STUB_PROBE and runs every other script it is given with this interpreter;
+# with $STUB_SITE, one that sees only the distributions installed there (no
+# site-packages), so that what the script reads as installed is the test's.
 STUB_PROBING_PYTHON = """#!{python}
 import os
 import subprocess
@@ -891,25 +1057,36 @@ script = sys.stdin.read()
 if "torch.version.hip" in script:
     print(os.environ["STUB_PROBE"])
     sys.exit(0)
-run = subprocess.run([{python!r}, *sys.argv[1:]], input=script, text=True)
+argv, env = [{python!r}, *sys.argv[1:]], dict(os.environ)
+if os.environ.get("STUB_SITE"):
+    argv.insert(1, "-S")
+    env["PYTHONPATH"] = os.environ["STUB_SITE"]
+run = subprocess.run(argv, input=script, text=True, env=env)
 sys.exit(run.returncode)
 """
 
 
 def dry_run(
-    tmp_path: Path, probe: str, requirements: Path | None = None
+    tmp_path: Path,
+    probe: str,
+    requirements: Path | None = None,
+    site: Path | None = None,
 ) -> subprocess.CompletedProcess:
     """Run the install script in its dry-run mode on a platform that the
-    stub python3 reports as ``probe``."""
+    stub python3 reports as ``probe``, with the distributions of ``site``
+    alone installed, if given. Its temporary files go to tmp_path/tmp."""
     stub = tmp_path / "bin"
     stub.mkdir(parents=True)
+    (tmp_path / "tmp").mkdir()
     (stub / "python3").write_text(STUB_PROBING_PYTHON.format(python=sys.executable))
     (stub / "python3").chmod(0o755)
     env = {
         "PATH": os.pathsep.join([str(stub), "/usr/bin", "/bin"]),
         "KV_CONNECTORS_DRY_RUN": "1",
         "HOME": str(tmp_path),
+        "TMPDIR": str(tmp_path / "tmp"),
         "STUB_PROBE": probe,
+        "STUB_SITE": str(site or ""),
     }
     if requirements is not None:
         env["KV_CONNECTORS_REQUIREMENTS"] = str(requirements)
@@ -955,6 +1132,18 @@ def _locked_packages(command: list[str]) -> dict[str, str]:
     return dict(package.split("==") for package in packages)
 
 
+# vLLM's KV connector lock (0.34.0 on), and the input it is compiled from.
+KV_LOCK = ROOT / "requirements/test/kv_connectors_cuda.txt"
+
+
+def _without_kv_lock() -> None:
+    if KV_LOCK.is_file():
+        pytest.skip(
+            f"this checkout has vLLM's KV connector lock ({KV_LOCK.name}), which "
+            "the script installs instead (test_install_script_installs_the_lock)"
+        )
+
+
 MOONCAKE_CASES = [
     # (CUDA major, its requirements, its Mooncake build, the other build)
     ("12", "kv_connectors_cu12.txt", MOONCAKE_CU12, MOONCAKE_CU13),
@@ -968,11 +1157,12 @@ MOONCAKE_CASES = [
 def test_install_script_installs_locked_versions_on_cuda(
     tmp_path, major, requirements, build, other
 ):
-    """Exactly NIXL at the requirements' pin in this CUDA major's variant,
-    and this major's Mooncake build at the script's lock (within the
-    requirements' range), each --no-deps; the requirements' unlocked rest,
-    which upstream's own steps use, is named as not locked and installed
-    last, apart, with torch held."""
+    """Without vLLM's KV connector lock: exactly NIXL at the requirements'
+    pin in this CUDA major's variant, and this major's Mooncake build at the
+    script's lock (within the requirements' range), each --no-deps; the
+    requirements' unlocked rest, which upstream's own steps use, is named as
+    not locked and installed last, apart, with torch held."""
+    _without_kv_lock()
     result = dry_run(tmp_path, f"cuda {major}")
     assert result.returncode == 0, result.stderr
     commands = _commands(result)
@@ -1017,30 +1207,40 @@ def test_install_script_installs_locked_versions_on_cpu(tmp_path):
     assert _locked_packages(install) == {"nixl": version, "nixl-cu12": version}
 
 
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def _rocm_lock() -> dict[str, str]:
     pins = {}
     for line in (ROOT / "requirements/test/rocm.txt").read_text().splitlines():
         if "==" in line and not line.startswith((" ", "#")):
             name, version = line.split("==", 1)
-            pins[re.sub(r"[-_.]+", "-", name).lower()] = version.strip()
+            pins[_canonical(name)] = version.strip()
     return pins
 
 
 def test_install_script_installs_locked_versions_on_rocm(tmp_path):
     """The ROCm requirements at the versions of vLLM's ROCm test lock; a
-    package the lock does not pin fails the script."""
+    package the lock does not pin fails the script. Where vLLM has no ROCm
+    KV connector requirements (0.34.0: its image holds them from the ROCm
+    test lock), nothing is installed."""
     result = dry_run(tmp_path, "rocm -")
     assert result.returncode == 0, result.stderr
-    (install,) = _installs(_commands(result))
-    lock = _rocm_lock()
-    names = [
-        re.sub(r"[-_.]+", "-", re.split(r"[<>=!~;\[ ]", line, maxsplit=1)[0]).lower()
-        for line in (ROOT / "requirements/kv_connectors_rocm.txt")
-        .read_text()
-        .splitlines()
-        if line.strip() and not line.startswith(("#", "-"))
-    ]
-    assert _locked_packages(install) == {name: lock[name] for name in names}
+    if (ROOT / "requirements/kv_connectors_rocm.txt").is_file():
+        (install,) = _installs(_commands(result))
+        lock = _rocm_lock()
+        names = [
+            _canonical(re.split(r"[<>=!~;\[ ]", line, maxsplit=1)[0])
+            for line in (ROOT / "requirements/kv_connectors_rocm.txt")
+            .read_text()
+            .splitlines()
+            if line.strip() and not line.startswith(("#", "-"))
+        ]
+        assert _locked_packages(install) == {name: lock[name] for name in names}
+    else:
+        assert not _installs(_commands(result)), result.stdout
+        assert "nothing to install" in result.stdout, result.stdout
     requirements = tmp_path / "rocm.txt"
     requirements.write_text("tblib\nnot-a-package-the-lock-pins\n")
     unlocked = dry_run(tmp_path / "unlocked", "rocm -", requirements)
@@ -1052,6 +1252,139 @@ def test_install_script_rejects_an_unknown_cuda(tmp_path):
     cuda11 = dry_run(tmp_path, "cuda 11")
     assert cuda11.returncode == 1
     assert "no NIXL wheel variant for CUDA 11" in cuda11.stderr
+
+
+def lock_entries(text: str) -> dict[str, tuple[str, frozenset[str]]]:
+    """A hash lock's entries, as pip reads them: {name: (version, hashes)}
+    (``uv pip compile --generate-hashes`` output: ``NAME==VERSION \\`` and
+    the ``--hash=`` lines under it)."""
+    entries: dict[str, tuple[str, frozenset[str]]] = {}
+    name = None
+    for line in text.splitlines():
+        match = re.match(r"([A-Za-z0-9][\w.-]*)==([^\s;\\]+)", line)
+        if match:
+            name = _canonical(match.group(1))
+            assert name not in entries, f"{name} twice"
+            entries[name] = (match.group(2), frozenset())
+        elif name and line[:1].isspace():
+            version, hashes = entries[name]
+            entries[name] = (version, hashes | set(re.findall(r"--hash=(\S+)", line)))
+        else:
+            name = None
+    return entries
+
+
+def _lock_install(result: subprocess.CompletedProcess) -> str:
+    """The text a dry run installs a lock from: its only install command
+    must be hash-checked, --no-deps, from one file."""
+    (install,) = _installs(_commands(result))
+    assert "--require-hashes" in install and "--no-deps" in install, install
+    at = install.index("-r")
+    assert [a for a in install[at + 2 :] if not a.startswith("-")] == [], install
+    flags = install[install.index("install") + 1 : at]
+    assert not [f for f in flags if not f.startswith("-") or "=" in f], flags
+    return Path(install[at + 1]).read_text()
+
+
+def test_install_script_installs_the_lock(tmp_path):
+    """Where the checkout has vLLM's KV connector lock (0.34.0 on), CUDA 13
+    gets exactly it: into an environment that has none of it, every entry
+    with its version and every hash, installed hash-checked and --no-deps
+    from one file, and nothing else (no pin of the script's own, nothing
+    unlocked); NIXL and Mooncake are then checked at the lock's versions."""
+    if not KV_LOCK.is_file():
+        pytest.skip(f"this checkout has no {KV_LOCK.name} (vLLM before 0.34.0)")
+    site = tmp_path / "site"
+    site.mkdir()
+    result = dry_run(tmp_path / "run", "cuda 13", site=site)
+    assert result.returncode == 0, result.stderr
+    commands = _commands(result)
+    assert not [c for c in commands if "uninstall" in c], commands
+    lock = lock_entries(KV_LOCK.read_text())
+    assert lock and all(hashes for _, hashes in lock.values()), "not a hash lock"
+    assert lock_entries(_lock_install(result)) == lock
+    assert f"Mooncake for CUDA 13: {MOONCAKE_CU13}\n" in result.stdout
+    assert "not locked" not in result.stdout, result.stdout
+    # On CUDA 12 the lock (CUDA 13's, as vLLM bakes it) is refused.
+    cuda12 = dry_run(tmp_path / "cuda12", "cuda 12", site=site)
+    assert cuda12.returncode == 1
+    assert "locks the KV connectors for CUDA 13" in cuda12.stderr, cuda12.stderr
+
+
+def _installed(site: Path, name: str, version: str) -> None:
+    """Make ``name`` ``version`` an installed distribution of ``site``."""
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+    )
+
+
+def _fake_lock(folder: Path, entries: dict[str, str], owned: list[str]) -> Path:
+    """A hash lock of ``entries`` ({name: version}) compiled from an input
+    naming ``owned``, as vLLM keeps kv_connectors_cuda.txt beside its .in."""
+    folder.mkdir(parents=True)
+    lock = folder / "kv_connectors_cuda.txt"
+    lock.write_text(
+        "# a lock as uv pip compile writes one\n"
+        + "".join(
+            f"{name}=={version} \\\n"
+            f"    --hash=sha256:{name.encode().hex():0<64} \\\n"
+            f"    --hash=sha256:{version.encode().hex():1<64}\n"
+            "    # via -r kv_connectors_cuda.in\n"
+            for name, version in entries.items()
+        )
+    )
+    lock.with_suffix(".in").write_text("".join(f"{n}\n" for n in owned))
+    return lock
+
+
+def test_install_script_installs_a_lock_over_what_is_installed(tmp_path):
+    """A lock over an environment that has some of it: what is missing is
+    installed, a package of the lock's input at another version is replaced,
+    any other package at another version is left and named (the
+    environment's, as vLLM's image leaves it), one at the lock's version is
+    not touched; the other CUDA major's NIXL and Mooncake builds go first,
+    and with the other Mooncake build, this one's (they share files)."""
+    owned = ["nixl", "nixl-cu13", MOONCAKE_CU13]
+    entries = {"nixl": "2.0", "nixl-cu13": "2.0", MOONCAKE_CU13: "1.0"}
+    entries |= {"dep-kept": "1.0", "dep-same": "1.0", "dep-missing": "1.0"}
+    lock = _fake_lock(tmp_path / "lock", entries, owned)
+    site = tmp_path / "site"
+    for name, version in (
+        ("nixl", "1.9"),  # owned, another version: replaced
+        ("nixl-cu13", "2.0"),  # at the lock's version
+        ("nixl-cu12", "1.9"),  # the other variant
+        (MOONCAKE_CU12, "0.9"),  # the other build
+        (MOONCAKE_CU13, "1.0"),  # shares the other build's files
+        ("dep-kept", "0.5"),
+        ("dep-same", "1.0"),
+    ):
+        _installed(site, name, version)
+    result = dry_run(tmp_path / "run", "cuda 13", lock, site)
+    assert result.returncode == 0, result.stderr
+    commands = _commands(result)
+    (removal,) = [c for c in commands if "uninstall" in c]
+    for build in ("nixl-cu12", MOONCAKE_CU12, MOONCAKE_CU13):
+        assert _names(removal, build), removal
+    assert not _names(removal, "nixl") and not _names(removal, "nixl-cu13")
+    (install,) = _installs(commands)
+    assert _index(commands, removal) < _index(commands, install)
+    full = lock_entries(lock.read_text())
+    planned = lock_entries(_lock_install(result))
+    assert planned == {n: full[n] for n in ("nixl", MOONCAKE_CU13, "dep-missing")}
+    assert "  dep-kept 0.5 (the lock's: 1.0)\n" in result.stdout, result.stdout
+
+    # A lock entry without a hash, or one for another CUDA major, is refused.
+    (lock.parent / "bare").mkdir()
+    bare = lock.parent / "bare" / lock.name
+    bare.write_text(lock.read_text() + "unhashed==1.0 \\\n    # via x\n")
+    refused = dry_run(tmp_path / "bare", "cuda 13", bare, site)
+    assert refused.returncode == 1
+    assert "unhashed==1.0 has no --hash" in refused.stderr, refused.stderr
+    cuda12 = dry_run(tmp_path / "cuda12", "cuda 12", lock, site)
+    assert cuda12.returncode == 1
+    assert "locks the KV connectors for CUDA 13" in cuda12.stderr, cuda12.stderr
 
 
 # Stubs for a real (not dry) run: python3 and uv that record what they are
@@ -1126,6 +1459,7 @@ def test_install_script_checks_mooncake_on_cuda(
     """A real run installs this major's build at its lock and then makes
     python3 load its engine and store, with that build at that version named
     as the only one allowed."""
+    _without_kv_lock()
     result, python_calls, uv_calls = stubbed_run(tmp_path, f"cuda {major}")
     assert result.returncode == 0, result.stderr
     installs = [c for c in uv_calls if c[:2] == ["pip", "install"]]
@@ -1158,6 +1492,74 @@ def test_install_script_leaves_mooncake_off_cpu(tmp_path):
     assert not [c for c in python_calls if "mooncake" in json.dumps(c)]
     assert "import nixl" in python_calls[-1]["script"]
     assert python_calls[-1]["argv"] == ["-", _script_setting("CPU_NIXL_VERSION")]
+
+
+def _site_run(
+    tmp_path: Path, probe: str, lock: Path, site: Path
+) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+    """Run the install script for real with ``lock``, python3 seeing the
+    distributions of ``site`` alone and uv recording what it is asked: the
+    result and the uv commands."""
+    stub = tmp_path / "bin"
+    stub.mkdir(parents=True)
+    uv_log = tmp_path / "uv.jsonl"
+    for name, text in (
+        ("python3", STUB_PROBING_PYTHON.format(python=sys.executable)),
+        ("uv", STUB_UV.format(python=sys.executable, log=str(uv_log))),
+        ("mooncake_master", "#!/bin/sh\n"),
+    ):
+        (stub / name).write_text(text)
+        (stub / name).chmod(0o755)
+    result = subprocess.run(
+        ["bash", str(SCRIPT)],
+        env={
+            "PATH": os.pathsep.join([str(stub), "/usr/bin", "/bin"]),
+            "HOME": str(tmp_path),
+            "TMPDIR": str(tmp_path),
+            "STUB_PROBE": probe,
+            "STUB_SITE": str(site),
+            "KV_CONNECTORS_REQUIREMENTS": str(lock),
+        },
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    calls = uv_log.read_text().splitlines() if uv_log.exists() else []
+    return result, [json.loads(line) for line in calls]
+
+
+def test_install_script_checks_the_lock_after_installing(tmp_path):
+    """A real run installs a lock and then holds the environment to it: a
+    package of the lock's input that the install did not bring to its
+    version fails the run, naming it; where everything is as locked, nothing
+    is installed, and NIXL and the lock's Mooncake build must import, at the
+    lock's versions."""
+    owned = ["nixl", "nixl-cu13", MOONCAKE_CU13]
+    entries = {"nixl": "2.0", "nixl-cu13": "2.0", MOONCAKE_CU13: "1.0", "dep": "1"}
+    lock = _fake_lock(tmp_path / "lock", entries, owned)
+    site = tmp_path / "site"
+    for name, version in entries.items():
+        _installed(site, name, version)
+    for module in ("nixl/__init__", "mooncake/__init__"):
+        (site / f"{module}.py").parent.mkdir(parents=True, exist_ok=True)
+        (site / f"{module}.py").write_text("")
+    (site / "mooncake/engine.py").write_text("TransferEngine = object\n")
+    (site / "mooncake/store.py").write_text("MooncakeDistributedStore = object\n")
+    result, uv_calls = _site_run(tmp_path / "as-locked", "cuda 13", lock, site)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert not [c for c in uv_calls if "install" in c], uv_calls
+    assert f"{MOONCAKE_CU13} 1.0\n" in result.stdout, result.stdout
+    assert "nixl-cu13 2.0\n" in result.stdout, result.stdout
+
+    # The stub uv installs nothing: nixl stays at 1.9.
+    for old in site.glob("nixl-2.0.dist-info"):
+        shutil.rmtree(old)
+    _installed(site, "nixl", "1.9")
+    result, uv_calls = _site_run(tmp_path / "not-taken", "cuda 13", lock, site)
+    assert result.returncode == 1, result.stdout
+    assert [c for c in uv_calls if "--require-hashes" in c], uv_calls
+    assert f"not as {lock} locks them: nixl\n" in result.stderr, result.stderr
 
 
 @pytest.mark.skipif(
