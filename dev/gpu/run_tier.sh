@@ -8,13 +8,17 @@
 # (tests/models/hybrid_prefix_cache/test_gpu_tier.py) with plain pytest,
 # leaving each lane's log and every case's record under $OUT.
 #
-#   bash dev/gpu/run_tier.sh [--plant FILE] [--lane EXPR]... [pytest args]
+#   bash dev/gpu/run_tier.sh [--plant FILE] [--deadline SECONDS] \
+#       [--lane EXPR]... [pytest args]
 #
 # Each --lane is a pytest -k expression run as a pytest process of its own,
-# all at once (the GPU and its cores take several servers side by side);
-# without one, a single lane runs everything. --plant FILE runs FILE (a
-# scratch patch, never committed) with python3 against a copy of the
-# installed vllm package, which the lanes then import instead.
+# all at once (the GPU and its cores take several servers side by side),
+# once the first has read the geometry (test_gpu_tier.UNITS_FILE_ENV); without
+# one, a single lane runs everything. --plant FILE runs FILE (a scratch
+# patch, never committed) with python3 against a copy of the installed vllm
+# package, which the lanes then import instead. --deadline interrupts the
+# lanes (as Ctrl-C does) that many seconds after they start, so that what
+# they recorded is packed before the device call's own limit.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -26,10 +30,11 @@ die() {
     exit 1
 }
 
-plant= lanes=()
+plant= lanes=() deadline=
 while [ $# -gt 0 ]; do
     case $1 in
     --plant) plant=${2:?--plant needs a file} && shift 2 ;;
+    --deadline) deadline=${2:?--deadline needs seconds} && shift 2 ;;
     --lane) lanes+=("${2:?--lane needs a -k expression}") && shift 2 ;;
     *) break ;;
     esac
@@ -56,14 +61,22 @@ mkdir -p "$OUT"
 python3 -c 'import torch, vllm; print("vLLM", vllm.__version__, "from", vllm.__file__,
     "on", torch.cuda.get_device_name())' | tee "$OUT/header.txt"
 
+export HYBRID_PC_GPU_UNITS_FILE=/tmp/gpu-units.json
+rm -f "$HYBRID_PC_GPU_UNITS_FILE"
+limit=()
+[ -z "$deadline" ] || limit=(timeout --signal=INT --kill-after=60 "$deadline")
 status=0 pids=()
 for i in "${!lanes[@]}"; do
     select=()
     [ -z "${lanes[$i]}" ] || select=(-k "${lanes[$i]}")
-    (cd "$TREE" && HYBRID_PC_REPORT_DIR="$TREE/report-$i" python3 -m pytest -v -s -rA \
-        -p no:cacheprovider tests/models/hybrid_prefix_cache/test_gpu_tier.py \
-        "${select[@]}" "$@" >"$OUT/lane-$i.log" 2>&1) &
+    (cd "$TREE" && HYBRID_PC_REPORT_DIR="$TREE/report-$i" "${limit[@]}" python3 -m \
+        pytest -v -s -rA -p no:cacheprovider \
+        tests/models/hybrid_prefix_cache/test_gpu_tier.py "${select[@]}" "$@" \
+        >"$OUT/lane-$i.log" 2>&1) &
     pids+=($!)
+    # The others start once the first has read the geometry (or ended).
+    while [ "$i" = 0 ] && [ ! -f "$HYBRID_PC_GPU_UNITS_FILE" ] &&
+        kill -0 "${pids[0]}" 2>/dev/null; do sleep 2; done
 done
 for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
 for i in "${!lanes[@]}"; do

@@ -41,8 +41,9 @@ GPU_ONLY = pytest.mark.skipif(
 )
 
 # Each server's share of the GPU: P/D puts two instances on the one GPU, and
-# dev/gpu/run_tier.sh plays the deployments side by side, six servers at once.
-GPU_MEMORY_FRACTION = 0.1
+# dev/gpu/run_tier.sh plays the deployments side by side, up to 13 servers at
+# once.
+GPU_MEMORY_FRACTION = 0.06
 BASE_ARGS = (
     "--enable-prompt-tokens-details",
     "--max-model-len",

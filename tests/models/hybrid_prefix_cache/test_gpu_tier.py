@@ -18,6 +18,11 @@ elsewhere with its reason. dev/gpu/ runs it on a machine without a package
 index.
 """
 
+import dataclasses
+import json
+import os
+from pathlib import Path
+
 import pytest
 
 from tests.models.hybrid_prefix_cache.gpu_binding import (
@@ -47,14 +52,26 @@ def model(tmp_path_factory) -> TinyHybrid:
     return write_tiny_hybrid(tmp_path_factory.mktemp("tiny-mtp"), "mtp")
 
 
+# Where a session writes the geometry it read, for the sessions that
+# dev/gpu/run_tier.sh starts beside it to read instead of starting a server.
+UNITS_FILE_ENV = "HYBRID_PC_GPU_UNITS_FILE"
+
+
 @pytest.fixture(scope="module")
 def units(hybrid_suite: Suite, model: TinyHybrid) -> Units:
     """The geometry the model resolves on this GPU, as its plain server at
     vLLM's default budget reports it (vllm:cache_config_info); the default
-    budget's own cases then run on that server."""
+    budget's own cases then run on that server. Read from the file that
+    UNITS_FILE_ENV names where another session of this run wrote it."""
+    shared = os.environ.get(UNITS_FILE_ENV)
+    if shared and Path(shared).exists():
+        return Units(**json.loads(Path(shared).read_text()))
     binding = gpu_binding(model, exact=False)
     (server,) = hybrid_suite.pool.acquire(binding, DEPLOYMENTS["plain"], MODES["block"])
-    return Units.from_cache_config(cache_config(server), MODES["block"])
+    units = Units.from_cache_config(cache_config(server), MODES["block"])
+    if shared:
+        Path(shared).write_text(json.dumps(dataclasses.asdict(units)))
+    return units
 
 
 @pytest.mark.parametrize("mode_name", ["block", "partial"])
