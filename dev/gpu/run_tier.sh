@@ -59,7 +59,8 @@ tar -xzf "$tests" -C "$TREE"
 (cd "$REPO" && cp -r --parents tests "$TREE/")
 mkdir -p "$OUT"
 python3 -c 'import torch, vllm; print("vLLM", vllm.__version__, "from", vllm.__file__,
-    "on", torch.cuda.get_device_name())' | tee "$OUT/header.txt"
+    "on", torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")' |
+    tee "$OUT/header.txt"
 
 export HYBRID_PC_GPU_UNITS_FILE=/tmp/gpu-units.json
 rm -f "$HYBRID_PC_GPU_UNITS_FILE"
@@ -81,7 +82,7 @@ done
 for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
 for i in "${!lanes[@]}"; do
     log=$OUT/lane-$i.log
-    echo "== lane $i (${lanes[$i]:-all}): $(grep -E '^=+ .*(passed|failed|error)' \
+    echo "== lane $i (${lanes[$i]:-all}): $(grep -E '^=+ .* in [0-9.]+s' \
         "$log" | tail -n 1)"
     grep -E '^(FAILED|ERROR) ' "$log" || true
     # The whole log goes with the records; its summary comes back as is.

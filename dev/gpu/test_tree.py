@@ -14,6 +14,7 @@ dev/gpu/run_tier.sh lays the suite's tests/ over it on the machine.
 """
 
 import argparse
+import ast
 import os
 import subprocess
 import sys
@@ -24,15 +25,54 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = Path(__file__).resolve().parent / "bundle.toml"
 NAME = "vllm-tests.tar.gz"
-# What the suite imports of a checkout's tests/, and pytest's settings.
-FILES = (
-    "pyproject.toml",
-    "tests/__init__.py",
-    "tests/conftest.py",
-    "tests/utils.py",
-    "tests/models/__init__.py",
-    "tests/models/utils.py",
-)
+# What the suite imports of a checkout's tests/ (and what those import of
+# it, found by closure), and pytest's settings.
+SEEDS = ("tests/conftest.py", "tests/utils.py", "tests/models/utils.py")
+SETTINGS = ("pyproject.toml",)
+
+
+def _imported(path: str, source: str) -> set[str]:
+    """The modules of the tests package that ``source`` (at ``path``)
+    imports, anywhere in it, as file paths of either form (module.py or
+    package/__init__.py)."""
+    package = path.rsplit("/", 1)[0].split("/")
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = [*base, *(node.module or "").split(".")]
+            module = [part for part in module if part]
+            names = [".".join(module)]
+            names += [".".join([*module, alias.name]) for alias in node.names]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] != "tests":
+                continue
+            for end in range(1, len(parts) + 1):
+                stem = "/".join(parts[:end])
+                found |= {f"{stem}.py", f"{stem}/__init__.py"}
+    return found
+
+
+def closure(members: dict[str, bytes]) -> list[str]:
+    """The files of ``members`` (path in the tests/ tree: bytes) that the
+    seeds reach by their imports, the seeds and their packages included."""
+    wanted, todo = set(), [*SEEDS]
+    while todo:
+        path = todo.pop()
+        if path in wanted or path not in members:
+            continue
+        wanted.add(path)
+        todo += sorted(_imported(path, members[path].decode()))
+        parent = path.rsplit("/", 1)[0]
+        while parent:
+            todo.append(f"{parent}/__init__.py")
+            parent = parent.rpartition("/")[0]
+    return sorted(wanted)
 
 
 def pinned_version() -> str:
@@ -61,12 +101,20 @@ def fetch_sdist(version: str, cache: Path) -> Path:
 
 
 def write_tree(sdist: Path, version: str, out: Path) -> Path:
-    """Write :data:`FILES` of ``sdist`` into ``out``/:data:`NAME`, with
-    fixed times and owners, so that the same sdist gives the same bytes."""
+    """Write the files of ``sdist`` that the suite needs (:func:`closure`,
+    and :data:`SETTINGS`) into ``out``/:data:`NAME`, with fixed times and
+    owners, so that the same sdist gives the same bytes."""
     target = out / NAME
     prefix = f"vllm-{version}/"
     with tarfile.open(sdist) as source, tarfile.open(target, "w:gz") as tree:
-        for name in FILES:
+        tests = {
+            m.name.removeprefix(prefix): m
+            for m in source.getmembers()
+            if m.isfile() and m.name.startswith(prefix + "tests/")
+            and m.name.endswith(".py")
+        }
+        contents = {name: source.extractfile(m).read() for name, m in tests.items()}
+        for name in [*SETTINGS, *closure(contents)]:
             member = source.getmember(prefix + name)
             data = source.extractfile(member)
             member.name = name

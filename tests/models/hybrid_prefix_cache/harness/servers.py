@@ -29,12 +29,29 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (
     server_args,
 )
 from tests.models.hybrid_prefix_cache.harness.reconcile import Ledger
-from tests.utils import (
-    RemoteOpenAIServer,
-    _redact_sensitive_cli_args,
-    _sanitize_pythonpath_env,
-)
+from tests.utils import RemoteOpenAIServer, _sanitize_pythonpath_env
 from vllm.utils.network_utils import get_open_port
+
+try:
+    from tests.utils import _redact_sensitive_cli_args
+except ImportError:  # a release whose tests/utils.py has none (0.26)
+
+    def _redact_sensitive_cli_args(args):
+        """``args`` with the value of every flag that names a key, token or
+        secret shown as ***."""
+        secret = ("key", "token", "secret", "password")
+        shown, hide = [], False
+        for arg in args:
+            name, equals, _ = arg.partition("=")
+            if hide and not arg.startswith("-"):
+                shown.append("***")
+                hide = False
+                continue
+            hide = arg.startswith("--") and any(s in name.lower() for s in secret)
+            shown.append(f"{name}=***" if hide and equals else arg)
+            hide = hide and not equals
+        return shown
+
 
 HEALTH_POLL_INTERVAL = 0.5
 LOG_TAIL_LINES = 60
