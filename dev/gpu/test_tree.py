@@ -9,8 +9,10 @@ machine has no package index to fetch them from.
 
 Downloads the release's sdist (the version of bundle.toml's vLLM) and writes
 ``vllm-tests.tar.gz``: the few files of its tests/ that the suite imports,
-and its pyproject.toml (pytest's markers). Nothing of it is committed here;
-dev/gpu/run_tier.sh lays the suite's tests/ over it on the machine.
+and its pyproject.toml (pytest's markers), with the wheels those files
+import that neither the machine nor the bundle has (:data:`WHEELS`). Nothing
+of it is committed here; dev/gpu/run_tier.sh installs the wheels and lays the
+suite's tests/ over the files on the machine.
 """
 
 import argparse
@@ -29,6 +31,9 @@ NAME = "vllm-tests.tar.gz"
 # it, found by closure), and pytest's settings.
 SEEDS = ("tests/conftest.py", "tests/utils.py", "tests/models/utils.py")
 SETTINGS = ("pyproject.toml",)
+# What vLLM's tests/conftest.py imports that the machine lacks (seen on the
+# H200: "No module named 'tblib'"), at the version the CPU tier pins.
+WHEELS = ("tblib==3.2.2",)
 
 
 def _imported(path: str, source: str) -> set[str]:
@@ -100,7 +105,17 @@ def fetch_sdist(version: str, cache: Path) -> Path:
     return sdist
 
 
-def write_tree(sdist: Path, version: str, out: Path) -> Path:
+def fetch_wheels(cache: Path) -> list[Path]:
+    """:data:`WHEELS`, pure-Python wheels, from the package index."""
+    cache.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps"]
+    command += ["--only-binary", ":all:", "-d", str(cache), *WHEELS]
+    subprocess.run(command, check=True)
+    names = {w.split("==")[0].replace("-", "_") for w in WHEELS}
+    return sorted(p for p in cache.glob("*.whl") if p.name.split("-")[0] in names)
+
+
+def write_tree(sdist: Path, version: str, out: Path, wheels=()) -> Path:
     """Write the files of ``sdist`` that the suite needs (:func:`closure`,
     and :data:`SETTINGS`) into ``out``/:data:`NAME`, with fixed times and
     owners, so that the same sdist gives the same bytes."""
@@ -122,6 +137,11 @@ def write_tree(sdist: Path, version: str, out: Path) -> Path:
             member.uname = member.gname = ""
             member.pax_headers = {}
             tree.addfile(member, data)
+        for wheel in wheels:
+            info = tree.gettarinfo(wheel, arcname=f"wheels/{wheel.name}")
+            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+            with open(wheel, "rb") as f:
+                tree.addfile(info, f)
     return target
 
 
@@ -131,7 +151,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     version = pinned_version()
     sdist = fetch_sdist(version, args.out_dir / "cache" / "sdist")
-    target = write_tree(sdist, version, args.out_dir)
+    wheels = fetch_wheels(args.out_dir / "cache" / "test-wheels")
+    target = write_tree(sdist, version, args.out_dir, wheels)
     print(f"wrote {target} ({target.stat().st_size} bytes) from vLLM {version}")
 
 

@@ -18,6 +18,7 @@ from tests.models.hybrid_prefix_cache.harness import (
     Binding,
     Deployment,
     Instance,
+    Known,
     Matrix,
     Mode,
     Units,
@@ -41,8 +42,11 @@ GPU_ONLY = pytest.mark.skipif(
 )
 
 # Each server's share of the GPU: P/D puts two instances on the one GPU, and
-# dev/gpu/run_tier.sh plays the deployments side by side, up to 13 servers at
-# once.
+# dev/gpu/run_tier.sh plays the deployments side by side, up to 16 servers at
+# once. Their KV cache is sized explicitly: vLLM's profile of the memory a
+# server may take counts what the servers starting beside it take meanwhile
+# (v1/worker/gpu_worker.py determine_available_memory), and on the H200 two
+# such servers found none left.
 GPU_MEMORY_FRACTION = 0.06
 BASE_ARGS = (
     "--enable-prompt-tokens-details",
@@ -52,6 +56,8 @@ BASE_ARGS = (
     "8",
     "--gpu-memory-utilization",
     str(GPU_MEMORY_FRACTION),
+    "--kv-cache-memory-bytes",
+    "2G",
     # No CUDA graphs nor torch.compile: what is checked does not depend on
     # them, and each start is shorter.
     "--enforce-eager",
@@ -90,16 +96,66 @@ DEPLOYMENTS = {
 }
 
 # Cases that cannot pass on the GPU tier, by case or cell, each with its
-# evidence and the releases it holds for. None seen yet.
-KNOWN: dict = {}
+# evidence and the releases it holds for; seen on an H200 with vLLM 0.26.0.
+_HOST_FULL_BLOCKS = Known(
+    "xfail",
+    "SimpleCPUOffloadConnector stores whole blocks only: a partial mode's "
+    "checkpoint inside a block never reaches the host, and a turn whose "
+    "device cache was reset resumes at the block before it; 0.32's offload "
+    "manager takes a Mamba group's partial tail (v1/simple_kv_offload/"
+    "manager.py), 0.26's has none",
+    # The oracle's words for the first turn that lost it (harness.check_turn):
+    # the reference conversation's first prompt of 277 tokens at block 80.
+    evidence=(
+        "turn 1: cached 240 < expected checkpoint 272 of the previous 277-token prompt"
+    ),
+    geometry=(80, 16),
+    in_record=True,
+    releases="<0.32",
+)
+_PD_SPEC_BLOCKS = Known(
+    "xfail",
+    "NIXL's decoder with prefix caching and an MTP drafter: its Mamba group "
+    "holds the speculative blocks beside the state's, and the worker asserts "
+    "one local block per state when it reads the transfer "
+    "(nixl/base_worker.py _apply_prefix_caching in 0.26; gone in 0.32); the "
+    "decoder's engine dies on its first request",
+    evidence="SSM can only have one local block",
+    releases="<0.32",
+)
+KNOWN: dict = {
+    "offload-partial": (_HOST_FULL_BLOCKS,),
+    "offload-partial-mtp": (_HOST_FULL_BLOCKS,),
+    "pd-offload-partial": (_HOST_FULL_BLOCKS,),
+    **{
+        f"{d}-{m}": (_PD_SPEC_BLOCKS,)
+        for d in ("pd", "pd-offload")
+        for m in ("block-mtp", "partial-mtp")
+    },
+}
+
+
+def _runs_workloads(cell: str) -> bool:
+    """Whether a cell's servers also play the workloads: not where a known
+    failure holds (an engine that dies, or a checkpoint the host never
+    holds, which the workload would show again)."""
+    return not any(known.holds() for known in KNOWN.get(cell, ()))
+
 
 # The first prompt that ends on a block, with and without MTP drafts (vLLM
 # #57605: MambaManager ignored the drafter's lookahead in align-mode
 # allocation, and a prefill chunk ending on a block boundary gave NaN), and
-# the exact P/D resend, on every cell's servers.
+# the exact P/D resend, on the cells' servers.
 WORKLOADS = {
-    "aligned": tuple(f"{d}-{m}" for d in DEPLOYMENTS for m in MODES),
-    "pd-resend": tuple(f"{d}-{m}" for d in ("pd", "pd-offload") for m in MODES),
+    "aligned": tuple(
+        cell for d in DEPLOYMENTS for m in MODES if _runs_workloads(cell := f"{d}-{m}")
+    ),
+    "pd-resend": tuple(
+        cell
+        for d in ("pd", "pd-offload")
+        for m in MODES
+        if _runs_workloads(cell := f"{d}-{m}")
+    ),
 }
 MATRIX = Matrix(
     DEPLOYMENTS, MODES, KNOWN, workloads=WORKLOADS, workload_turns={"aligned": 2}

@@ -90,20 +90,28 @@ def turn(
     return played
 
 
-def lost_checkpoint_turn(shape: str, index: int, prev_len: int, unit: int) -> Turn:
-    """A turn of sweep ``shape`` that hit nothing where the previous
-    ``prev_len``-token prompt left a checkpoint, checked by the oracle."""
+def lost_checkpoint_turn(
+    shape: str,
+    index: int,
+    prev_len: int,
+    unit: int,
+    hit: int = 0,
+    block: int | None = None,
+) -> Turn:
+    """A turn of sweep ``shape`` that hit ``hit`` (nothing by default) where
+    the previous ``prev_len``-token prompt left a deeper checkpoint, checked
+    by the oracle at block ``block`` (the hit unit by default)."""
     prompt_len = prev_len + TURN_TOKENS
     played = turn(
         index,
         prev_len,
         prompt_len,
         unit,
-        sample(prompt_len=prompt_len),
+        sample(cached=hit, prompt_len=prompt_len),
         sample(prompt_len=prompt_len),
         conversation=shape,
     )
-    check_turn(played, Units(block=unit, hit=unit), 0.0)
+    check_turn(played, Units(block=block or unit, hit=unit), 0.0)
     return played
 
 

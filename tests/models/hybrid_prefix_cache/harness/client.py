@@ -36,6 +36,7 @@ from tests.models.hybrid_prefix_cache.harness.reconcile import (
     server_deltas,
     server_problems,
 )
+from tests.models.hybrid_prefix_cache.harness.rules import decoder_reported_cached
 from tests.models.hybrid_prefix_cache.harness.servers import Server, ServerError
 
 MAX_TOKENS = 8
@@ -342,10 +343,12 @@ def send(
     if problems is not None:
         found, decoder_hit = _decoder_leg(decoder, before, len(prompt), prefill)
         problems += found
-        if decode.cached_tokens != prefill.cached_tokens:
+        reported = decoder_reported_cached(len(prompt), prefill.cached_tokens)
+        if decode.cached_tokens != reported:
             problems.append(
                 f"the decoder reports {decode.cached_tokens} cached tokens, "
-                f"the prefiller hit {prefill.cached_tokens}"
+                f"the prefiller hit {prefill.cached_tokens}, and vLLM's rule "
+                f"(rules.decoder_reported_cached) gives {reported}"
             )
     return replace(decode, cached_tokens=prefill.cached_tokens, decoder_hit=decoder_hit)
 

@@ -127,10 +127,11 @@ class Turn:
     # tokens.
     more_controls: list[Sample] = field(default_factory=list)
     batched: bool = False
-    # The hit resumed inside a block where the binding is exact on block
-    # boundaries only (Binding.exact_on_blocks): its state was stored and
-    # reloaded where its recompute kept it, so it is held to the case's
-    # measured noise (check_paths), not to its recompute bit for bit.
+    # Where the binding is exact on block boundaries only
+    # (Binding.exact_on_blocks): the hit, or an earlier request of its salt
+    # that computed the state it restored, resumed inside a block, where a
+    # state was stored and reloaded that its recompute kept in the kernel;
+    # held to the case's measured noise (check_paths), not bit for bit.
     mid_block: bool = False
     seconds: float = 0.0
     problems: list[str] = field(default_factory=list)

@@ -8,7 +8,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tests.models.hybrid_prefix_cache.harness.client import (
     complete,
@@ -125,6 +125,8 @@ class Play:
     batched: bool = False
     noise: PathNoise | None = None
     stop: Callable[[Sequence[Turn]], bool] | None = None
+    # The salts whose requests resumed inside a block (Turn.mid_block).
+    off_block_salts: set[str] = field(default_factory=set)
 
     @property
     def drafting(self) -> Drafting:
@@ -159,8 +161,12 @@ def send_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
         reset_prefix_caches(servers)
         before = read_counters(servers[0])[EXTERNAL_HITS]
     turn.output = send(servers, model, prompt, salt, turn.problems)
-    hit = turn.output.cached_tokens
-    turn.mid_block = play.binding.exact_on_blocks and hit % play.units.block != 0
+    if play.binding.exact_on_blocks:
+        # A state computed after a resume inside a block carries that
+        # resume's rounding into every later checkpoint of the salt.
+        if turn.output.cached_tokens % play.units.block:
+            play.off_block_salts.add(salt)
+        turn.mid_block = salt in play.off_block_salts
     if play.deployment.offload and turn.output.cached_tokens > 0:
         after = poll_counter(servers[0], EXTERNAL_HITS, lambda v: v > (before or 0))
         if before is None or after is None or after <= before:

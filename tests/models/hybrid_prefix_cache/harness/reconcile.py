@@ -18,6 +18,7 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (
 from tests.models.hybrid_prefix_cache.harness.rules import (
     PD_PREFILL_BACKOFF,
     expected_resend,
+    pd_lookup_backoff,
 )
 
 # Prometheus counters the oracle reconciles, by role.
@@ -75,15 +76,15 @@ def ledger_entry(
 
     * an ordinary request (also a P/D recompute on the decoder alone): the
       engine saw the prompt, and held the cached tokens;
-    * a P/D prefill leg: the engine saw the prompt less PD_PREFILL_BACKOFF,
-      and held the cached tokens;
+    * a P/D prefill leg: the engine saw the prompt less what its lookup does
+      not see (rules.pd_lookup_backoff), and held the cached tokens;
     * a P/D decode leg: the engine saw the whole prompt, and held all but
       the PD_PREFILL_BACKOFF tokens (its own hit plus what NIXL loaded).
     """
     params = kv_transfer_params or {}
     queries, held = prompt_tokens, cached_tokens
     if params.get("do_remote_decode"):
-        queries = prompt_tokens - PD_PREFILL_BACKOFF
+        queries = prompt_tokens - pd_lookup_backoff()
     elif params.get("do_remote_prefill"):
         held = prompt_tokens - PD_PREFILL_BACKOFF
     return Ledger(1, prompt_tokens, cached_tokens, queries, held)

@@ -10,6 +10,7 @@ release it reports (:func:`holds_for`). Following a release means reading
 this module against its code. Pure: no server, no clock."""
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -92,6 +93,48 @@ def plan_turns(
 # its checkpoints and its query counter see the shorter prompt, and the
 # decoder loads exactly that many tokens (_get_remote_prefill_token_count).
 PD_PREFILL_BACKOFF = 1
+
+
+@functools.cache
+def pd_lookup_backoff() -> int:
+    """The trailing prompt tokens that a P/D prefiller's prefix-cache lookup
+    and its query counter do not see: PD_PREFILL_BACKOFF where its NIXL
+    scheduler truncates the request when it is added (0.32:
+    nixl/base_scheduler.py on_new_request, _truncate_request_for_prefill),
+    none where it truncates it only after the local lookup (0.26:
+    nixl/pull_scheduler.py get_num_new_matched_tokens,
+    _truncate_mamba_request_for_prefill). Either way the prefiller computes,
+    and leaves its checkpoint in, the prompt less PD_PREFILL_BACKOFF."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_scheduler
+    except ImportError:
+        return PD_PREFILL_BACKOFF
+    classes = [c for c in vars(base_scheduler).values() if isinstance(c, type)]
+    truncates_on_add = any("_truncate_request_for_prefill" in vars(c) for c in classes)
+    return PD_PREFILL_BACKOFF if truncates_on_add else 0
+
+
+@functools.cache
+def decoder_reports_prefill_hit() -> bool:
+    """Whether a P/D decoder's usage reports the prefiller's hit as its
+    cached tokens (0.32: the transfer carries it, v1/engine/
+    output_processor.py remote_prefill_cached_tokens); where not (0.26), it
+    reports what it held before its leg: its own hit and what NIXL loaded,
+    all but the token it computes itself."""
+    import inspect
+
+    from vllm.v1.engine import output_processor
+
+    return "remote_prefill_cached_tokens" in inspect.getsource(output_processor)
+
+
+def decoder_reported_cached(prompt_len: int, prefill_hit: int) -> int:
+    """The cached tokens a P/D decoder reports for its leg of a
+    ``prompt_len``-token prompt whose prefiller hit ``prefill_hit``
+    (:func:`decoder_reports_prefill_hit`)."""
+    if decoder_reports_prefill_hit():
+        return prefill_hit
+    return prompt_len - PD_PREFILL_BACKOFF
 
 
 def seen_lengths(prev_len: int, prompt_len: int, backoff: int) -> tuple[int, int]:

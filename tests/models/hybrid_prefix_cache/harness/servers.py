@@ -10,6 +10,8 @@ every server started on its behalf."""
 
 import contextlib
 import os
+import random
+import socket
 import subprocess
 import threading
 import time
@@ -95,6 +97,24 @@ class ServerSpec:
     connector: bool = False
 
 
+def internal_port_base() -> int:
+    """A free port below the system's ephemeral range, from which the
+    server's vLLM takes the ports of its own processes (VLLM_PORT,
+    utils/network_utils.py): a port vLLM drew from the ephemeral range
+    could be taken by any connection opened before it binds it, which
+    servers started side by side did (EADDRINUSE)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(100):
+        port = random.randrange(10000, max(low - 200, 10001))
+        with contextlib.suppress(OSError), socket.socket() as sock:
+            sock.bind(("", port))
+            return port
+    return get_open_port()
+
+
 def server_specs(
     binding: Binding, deployment: Deployment, mode: Mode
 ) -> tuple[ServerSpec, ...]:
@@ -170,6 +190,7 @@ class Server(RemoteOpenAIServer):
         env = dict(spec.env)
         if spec.side_channel_port:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(get_open_port())
+        env.setdefault("VLLM_PORT", str(internal_port_base()))
         args = list(spec.args) + ([] if port is None else ["--port", str(port)])
         super().__init__(
             spec.model,
