@@ -50,7 +50,7 @@ RESULTS=/tmp/gpu-results/$name
 bash "$REPO/dev/gpu/install.sh" --target "$SITE" >&2
 rm -rf "$TREE" "$RESULTS" && mkdir -p "$TREE" "$RESULTS"
 tar -xzf "$tests" -C "$TREE"
-if compgen -G "$TREE/wheels/*.whl" >/dev/null; then
+if compgen -G "$TREE/wheels/*.whl" >/dev/null && ! python3 -c "import tblib" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" \
         --upgrade "$TREE"/wheels/*.whl
 fi
