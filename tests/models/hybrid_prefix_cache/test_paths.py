@@ -97,6 +97,7 @@ def lost_checkpoint_turn(
     unit: int,
     hit: int = 0,
     block: int | None = None,
+    drops_unit: bool = False,
 ) -> Turn:
     """A turn of sweep ``shape`` that hit ``hit`` (nothing by default) where
     the previous ``prev_len``-token prompt left a deeper checkpoint, checked
@@ -110,24 +111,33 @@ def lost_checkpoint_turn(
         sample(cached=hit, prompt_len=prompt_len),
         sample(prompt_len=prompt_len),
         conversation=shape,
+        drops_unit=drops_unit,
     )
     check_turn(played, Units(block=block or unit, hit=unit), 0.0)
     return played
 
 
-def lost_resend_turn(prompt_len: int, unit: int, backoff: int = 0) -> Turn:
-    """An exact resend of ``prompt_len`` tokens that hit nothing where its
-    own checkpoint is (of the prompt less ``backoff``, which the P/D
-    prefiller sees), checked by the oracle."""
+def lost_resend_turn(
+    prompt_len: int,
+    unit: int,
+    backoff: int = 0,
+    hit: int = 0,
+    drops_unit: bool = False,
+) -> Turn:
+    """An exact resend of ``prompt_len`` tokens that hit ``hit`` (nothing by
+    default) where its own checkpoint is (of the prompt less ``backoff``,
+    which the P/D prefiller sees; one unit lower where the drafter
+    ``drops_unit``), checked by the oracle."""
     played = turn(
         1,
         prompt_len,
         prompt_len,
         unit,
-        sample(prompt_len=prompt_len),
+        sample(cached=hit, prompt_len=prompt_len),
         sample(prompt_len=prompt_len),
         resend=True,
         backoff=backoff,
+        drops_unit=drops_unit,
     )
     check_turn(played, Units(block=unit, hit=unit), 0.0)
     return played

@@ -47,6 +47,9 @@ class Ledger:
     cached_tokens: int = 0  # as usage reported them
     queries: int = 0  # the prompt tokens the engine's scheduler saw
     held: int = 0  # of those, the tokens it did not compute (local + external)
+    # The prompt tokens its KV connector's lookup saw (where they differ from
+    # ``queries``: a P/D prefill leg on 0.26, rules.pd_lookup_backoff).
+    connector_queries: int = 0
 
     def __add__(self, other: "Ledger") -> "Ledger":
         return Ledger(
@@ -77,17 +80,20 @@ def ledger_entry(
     * an ordinary request (also a P/D recompute on the decoder alone): the
       engine saw the prompt, and held the cached tokens;
     * a P/D prefill leg: the engine saw the prompt less what its lookup does
-      not see (rules.pd_lookup_backoff), and held the cached tokens;
+      not see (rules.pd_lookup_backoff), its connector the prompt less
+      PD_PREFILL_BACKOFF (0.26 truncates the request in between), and it
+      held the cached tokens;
     * a P/D decode leg: the engine saw the whole prompt, and held all but
       the PD_PREFILL_BACKOFF tokens (its own hit plus what NIXL loaded).
     """
     params = kv_transfer_params or {}
-    queries, held = prompt_tokens, cached_tokens
+    queries, held, connector = prompt_tokens, cached_tokens, prompt_tokens
     if params.get("do_remote_decode"):
         queries = prompt_tokens - pd_lookup_backoff()
+        connector = prompt_tokens - PD_PREFILL_BACKOFF
     elif params.get("do_remote_prefill"):
         held = prompt_tokens - PD_PREFILL_BACKOFF
-    return Ledger(1, prompt_tokens, cached_tokens, queries, held)
+    return Ledger(1, prompt_tokens, cached_tokens, queries, held, connector)
 
 
 def aborted_entry(prompt_tokens: int) -> Ledger:
@@ -99,7 +105,7 @@ def aborted_entry(prompt_tokens: int) -> Ledger:
     (v1/engine/output_processor.py OutputProcessor.abort_requests drops the
     request's state without the finished-request stats that request_success
     counts)."""
-    return Ledger(queries=prompt_tokens)
+    return Ledger(queries=prompt_tokens, connector_queries=prompt_tokens)
 
 
 def decoder_pulls(prompt_len: int, local_hit: float) -> float:
@@ -218,7 +224,7 @@ def counter_problems(
             f"reported {ledger.cached_tokens} cached): usage and the server's "
             f"own counters disagree"
         )
-    external = ledger.queries - value(PREFIX_HITS)
+    external = ledger.connector_queries - value(PREFIX_HITS)
     if connector and value(EXTERNAL_QUERIES) != external:
         problems.append(
             f"{name} server: {EXTERNAL_QUERIES} moved by "
