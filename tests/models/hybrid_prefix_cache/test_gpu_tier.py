@@ -40,7 +40,6 @@ from tests.models.hybrid_prefix_cache.harness import (
     Units,
     cache_config,
     run_case,
-    run_workload,
 )
 from tests.models.hybrid_prefix_cache.tiny_hybrid import TinyHybrid, write_tiny_hybrid
 
@@ -97,20 +96,6 @@ def binding(model: TinyHybrid) -> Binding:
 def test_prefix_cache(
     hybrid_suite: Suite, binding: Binding, units: Units, case_id: str
 ) -> None:
-    case, known = MATRIX.cases[case_id], MATRIX.known_for(case_id)
     deployment, mode = served(case_id, units)
-    if case.workload is None:
-        record = run_case(hybrid_suite, case_id, binding, deployment, mode, known=known)
-    else:
-        record = run_workload(
-            hybrid_suite,
-            case_id,
-            binding,
-            deployment,
-            mode,
-            case.workload,
-            known,
-            num_turns=case.num_turns,
-            resend=case.resend,
-        )
+    record = MATRIX.run(hybrid_suite, case_id, binding, deployment, mode)
     assert record.ok, record.explain()

@@ -45,9 +45,7 @@ from tests.models.hybrid_prefix_cache.harness import (
     kv_connector,
     matrix_modes,
     multi_connector,
-    run_case,
     run_resend,
-    run_workload,
     servers_mark,
     with_serve_args,
 )
@@ -372,21 +370,7 @@ PARAMS = MATRIX.params(device_marks=lambda n: multi_gpu_marks(num_gpus=n))
 @pytest.mark.parametrize("case_id", PARAMS)
 def test_prefix_cache(hybrid_suite: Suite, case_id: str) -> None:
     binding, deployment, mode = served(case_id)
-    known, case = MATRIX.known_for(case_id), MATRIX.cases[case_id]
-    if case.workload is None:
-        record = run_case(hybrid_suite, case_id, binding, deployment, mode, known=known)
-    else:
-        record = run_workload(
-            hybrid_suite,
-            case_id,
-            binding,
-            deployment,
-            mode,
-            case.workload,
-            known,
-            num_turns=case.num_turns,
-            resend=case.resend,
-        )
+    record = MATRIX.run(hybrid_suite, case_id, binding, deployment, mode)
     check_stated_block(record, deployment, mode)
     assert record.ok, record.explain()
 

@@ -14,14 +14,21 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
+from tests.models.hybrid_prefix_cache.harness.cases import (
+    Suite,
+    run_case,
+    run_workload,
+)
 from tests.models.hybrid_prefix_cache.harness.conversation import SHAPES
 from tests.models.hybrid_prefix_cache.harness.deployment import (
+    Binding,
     Deployment,
     Known,
     Mode,
     Units,
     select_known,
 )
+from tests.models.hybrid_prefix_cache.harness.records import CaseRecord
 from tests.models.hybrid_prefix_cache.harness.rules import NUM_TURNS
 from tests.models.hybrid_prefix_cache.harness.workloads import WORKLOADS
 
@@ -243,6 +250,35 @@ class Matrix:
         case = self.cases[case_id]
         entries = self.known.get(case_id, self.known.get(case.cell, ()))
         return tuple(known for known in entries if known.holds())
+
+    def run(
+        self,
+        suite: Suite,
+        case_id: str,
+        binding: Binding,
+        deployment: Deployment,
+        mode: Mode,
+    ) -> CaseRecord:
+        """``case_id`` played on ``suite``'s servers as ``deployment`` in
+        ``mode`` (as served: the matrix's own, or a binding's variant of
+        them), held to its known failures: its cell's conversation
+        (run_case), or its workload (run_workload) with the turns the matrix
+        gives it."""
+        __tracebackhide__ = True
+        case, known = self.cases[case_id], self.known_for(case_id)
+        if case.workload is None:
+            return run_case(suite, case_id, binding, deployment, mode, known=known)
+        return run_workload(
+            suite,
+            case_id,
+            binding,
+            deployment,
+            mode,
+            case.workload,
+            known,
+            num_turns=case.num_turns,
+            resend=case.resend,
+        )
 
     def concurrent_shapes(self, case_id: str, units: Units | None) -> tuple[str, ...]:
         """The sweep shapes a concurrent case plays at once where its
