@@ -117,13 +117,13 @@ def pd_lookup_backoff() -> int:
 @functools.cache
 def decoder_reports_prefill_hit() -> bool:
     """Whether a P/D decoder's usage reports the prefiller's hit as its
-    cached tokens (0.32: the transfer carries it, v1/engine/
-    output_processor.py remote_prefill_cached_tokens); where not (0.26), it
-    reports what it held before its leg: its own hit and what NIXL loaded,
-    all but the token it computes itself."""
+    cached tokens (0.32: the transfer carries it,
+    v1/engine/output_processor.py remote_prefill_cached_tokens); where not
+    (0.26), it reports what it held before its leg: its own hit and what
+    NIXL loaded, all but the token it computes itself."""
     import inspect
 
-    from vllm.v1.engine import output_processor
+    import vllm.v1.engine.output_processor as output_processor
 
     return "remote_prefill_cached_tokens" in inspect.getsource(output_processor)
 

@@ -16,9 +16,9 @@ on the seed and its name alone, so every rank and every run draws them alike.
 
 A server takes it with its folder first on PYTHONPATH: the folder's
 ``hybrid_seeded_load-0.dist-info`` declares :func:`register` a vLLM general
-plugin (vllm/plugins load_general_plugins, called by the engine core and by
-each worker), which registers the loader by name
-(model_executor/model_loader register_model_loader).
+plugin (vllm/plugins/__init__.py load_general_plugins, called by the engine
+core and by each worker), which registers the loader by name
+(vllm/model_executor/model_loader/__init__.py register_model_loader).
 """
 
 import zlib
@@ -106,7 +106,7 @@ def seeded_init(model: nn.Module, seed: int = SEED) -> int:
 def register() -> None:
     """Register the load format with the vLLM of this process (a vLLM
     general plugin; called once per process, maybe more)."""
-    from vllm.model_executor.model_loader import register_model_loader
+    import vllm.model_executor.model_loader as model_loader
     from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
 
     class SeededModelLoader(DummyModelLoader):
@@ -116,7 +116,5 @@ def register() -> None:
             super().load_weights(model, model_config)
             seeded_init(model)
 
-    from vllm.model_executor import model_loader
-
     if LOAD_FORMAT not in getattr(model_loader, "_LOAD_FORMAT_TO_MODEL_LOADER", {}):
-        register_model_loader(LOAD_FORMAT)(SeededModelLoader)
+        model_loader.register_model_loader(LOAD_FORMAT)(SeededModelLoader)
