@@ -46,6 +46,13 @@ tests, dependencies) stays ours. The fields and their rule:
   that platform; where both have one, ours, with the rules above applied to
   it against upstream's (its ``automatic_shard`` and the other form fields
   are upstream's).
+
+A step upstream lacks is appended as ours, but for its setup: where a step
+of ours that upstream has is set up as it is, on the same image (the same
+``depends_on``), and upstream's step runs another setup, the appended step
+runs that one (:func:`adopted_step`): upstream says how a job on its image
+gets its packages (0.34.0's image has the KV connectors baked in), not our
+step. A step on another image (the CPU one) keeps its own.
 """
 
 import re
@@ -295,6 +302,59 @@ def _fit_commands(commands: list, parallel: bool, key: str) -> list:
     return [unshard(c) if isinstance(c, str) else c for c in commands]
 
 
+def image(step: dict) -> tuple[str, ...]:
+    """The builds a step's job waits for, which give it its image: its own
+    ``depends_on``, else (empty) the file's."""
+    depends = step.get("depends_on") or ()
+    return (depends,) if isinstance(depends, str) else tuple(depends)
+
+
+def _with_setup(step: dict, their_setup: list) -> dict:
+    """``step`` running ``their_setup`` in place of its own, triggering on
+    the scripts that runs in place of those its own ran."""
+    step = dict(step)
+    commands = step["commands"]
+    our_setup = setup(commands)
+    step["commands"] = [*their_setup, *commands[len(our_setup) :]]
+    if TRIGGERS in step:
+        step[TRIGGERS] = _setup_triggers(step[TRIGGERS], our_setup, their_setup)
+    return step
+
+
+def setup_donor(ours: dict, placed: list[tuple[dict, dict]]) -> dict | None:
+    """For a step of ours that upstream lacks, the upstream step whose setup
+    it runs (:func:`adopted_step`): of ``placed``, the (ours, upstream's)
+    pairs of the steps upstream has, one whose step of ours is set up as
+    ``ours`` on its image and whose upstream step is set up otherwise."""
+    our_setup = setup(ours.get("commands") or [])
+    donors = [
+        theirs
+        for mine, theirs in placed
+        if our_setup
+        and image(mine) == image(ours)
+        and setup(mine.get("commands") or []) == our_setup
+        and setup(theirs.get("commands") or []) not in ([], our_setup)
+    ]
+    setups = {tuple(setup(theirs["commands"])) for theirs in donors}
+    if len(setups) > 1:
+        raise ValueError(
+            f"{ours.get('key')}: upstream sets up steps of ours set up as it is "
+            f"in several ways: {sorted(setups)}"
+        )
+    return donors[0] if donors else None
+
+
+def adopted_step(ours: dict, donor: dict | None) -> dict:
+    """The values of a step of ours that upstream lacks: ours, running the
+    setup of ``donor`` (:func:`setup_donor`), if any."""
+    if donor is None:
+        return dict(ours)
+    step = _with_setup(ours, setup(donor["commands"]))
+    parallel = bool(step.get("parallelism"))
+    step["commands"] = _fit_commands(step["commands"], parallel, ours.get("key"))
+    return step
+
+
 def merged_step(ours: dict, theirs: dict | None, key: str | None = None) -> dict:
     """The values of the step (or mirror job) that ours becomes over
     upstream's (``None``: upstream has no such step). The rule is the
@@ -310,17 +370,11 @@ def merged_step(ours: dict, theirs: dict | None, key: str | None = None) -> dict
         else:
             merged[TIMEOUT] = theirs[TIMEOUT]
     if "commands" in merged:
-        commands = merged["commands"]
         their_setup = setup(theirs.get("commands") or [])
         if their_setup:
-            our_setup = setup(commands)
-            commands = [*their_setup, *commands[len(our_setup) :]]
-            if TRIGGERS in merged:
-                merged[TRIGGERS] = _setup_triggers(
-                    merged[TRIGGERS], our_setup, their_setup
-                )
+            merged = _with_setup(merged, their_setup)
         parallel = bool(merged.get("parallelism"))
-        merged["commands"] = _fit_commands(commands, parallel, key)
+        merged["commands"] = _fit_commands(merged["commands"], parallel, key)
     if isinstance(theirs.get("mirror"), dict):
         mirror = dict(ours.get("mirror") or {})
         for platform, job in theirs["mirror"].items():
@@ -444,6 +498,23 @@ def _merged_text(our_body: str, their_body: str | None) -> str:
     return "- " + text[2:]
 
 
+def _adopted_text(our_body: str, placed: list[tuple[str, str]]) -> str:
+    """The text of a step of ours that upstream lacks, turned into
+    :func:`adopted_step`'s values; ``placed``: the (ours, upstream's) texts
+    of the steps upstream has."""
+    ours = _load_step(our_body)
+    pairs = [(_load_step(mine), _load_step(body), body) for mine, body in placed]
+    donor = setup_donor(ours, [(mine, theirs) for mine, theirs, _ in pairs])
+    if donor is None:
+        return our_body
+    their_body = next(body for _, theirs, body in pairs if theirs is donor)
+    want = adopted_step(ours, donor)
+    text = _fields_text(
+        _field_text(our_body), _field_text(their_body), ours, donor, want, 2
+    )
+    return "- " + text[2:]
+
+
 # ---------------------------------------------------------------------------
 # The merge.
 
@@ -462,6 +533,8 @@ def merge(upstream: str, ours: str) -> str:
         _load_step("".join(lines))["key"] for kind, lines in segments if kind == "step"
     }
     used = set()
+    # (ours, upstream's) texts of the steps upstream has.
+    placed: list[tuple[str, str]] = []
     out: list[str] = []
     for kind, lines in segments:
         if kind == "step":
@@ -471,6 +544,7 @@ def merge(upstream: str, ours: str) -> str:
                 trail = body[len(body.rstrip("\n")) + 1 :]
                 out.append(_merged_text(replacements[key], body) + trail)
                 used.add(key)
+                placed.append((replacements[key], body))
             else:
                 out.append(body)
             continue
@@ -484,12 +558,13 @@ def merge(upstream: str, ours: str) -> str:
             gap[start - position : end - position] = [text]
             position += end - start - 1
             used.add(key)
+            placed.append((replacements[key], their_body))
         out.append("".join(gap))
     for key, body in replacements.items():
         if key not in used:
             if out and not out[-1].endswith("\n\n"):
                 out[-1] += "\n"
-            out.append(body)
+            out.append(_adopted_text(body, placed))
     text = head + "".join(out)
     _verify(upstream, ours, text)
     return text
@@ -498,7 +573,7 @@ def merge(upstream: str, ours: str) -> str:
 def _expected_steps(upstream: str, ours: dict[str, dict]) -> list[dict]:
     """The merged file's steps, by value: upstream's steps in order, the
     commented-out ones that ours replace where they stand, ours appended."""
-    steps, placed = [], set()
+    steps, placed, pairs = [], set(), []
     active = {
         _load_step("".join(lines))["key"]
         for kind, lines in _split(upstream)[1]
@@ -510,6 +585,7 @@ def _expected_steps(upstream: str, ours: dict[str, dict]) -> list[dict]:
             if theirs["key"] in ours:
                 steps.append(merged_step(ours[theirs["key"]], theirs))
                 placed.add(theirs["key"])
+                pairs.append((ours[theirs["key"]], theirs))
             else:
                 steps.append(theirs)
             continue
@@ -518,7 +594,12 @@ def _expected_steps(upstream: str, ours: dict[str, dict]) -> list[dict]:
             if key in ours and key not in active and key not in placed:
                 steps.append(merged_step(ours[key], theirs))
                 placed.add(key)
-    return steps + [step for key, step in ours.items() if key not in placed]
+                pairs.append((ours[key], theirs))
+    return steps + [
+        adopted_step(step, setup_donor(step, pairs))
+        for key, step in ours.items()
+        if key not in placed
+    ]
 
 
 def _gap_lines(text: str, keys: set[str]) -> list[str]:

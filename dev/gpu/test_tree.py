@@ -125,7 +125,8 @@ def write_tree(sdist: Path, version: str, out: Path, wheels=()) -> Path:
         tests = {
             m.name.removeprefix(prefix): m
             for m in source.getmembers()
-            if m.isfile() and m.name.startswith(prefix + "tests/")
+            if m.isfile()
+            and m.name.startswith(prefix + "tests/")
             and m.name.endswith(".py")
         }
         contents = {name: source.extractfile(m).read() for name, m in tests.items()}

@@ -283,6 +283,62 @@ def test_keeps_our_setup_where_upstream_has_none():
     assert ".buildkite/scripts/install.sh" in step["source_file_dependencies"]
 
 
+# Steps upstream lacks: one set up as OURS_INSTALLING's step on the same
+# image, one on another image.
+OURS_APPENDED = """
+- label: "New"
+  key: n
+  source_file_dependencies:
+  - vllm/new/
+  - .buildkite/scripts/install.sh
+  commands:
+  # Installs what the tests need.
+  - bash /vllm-workspace/.buildkite/scripts/install.sh
+  - pytest -v -s n.py
+
+- label: "Elsewhere"
+  key: e
+  depends_on:
+  - image-build-cpu
+  source_file_dependencies:
+  - .buildkite/scripts/install.sh
+  commands:
+  - bash /vllm-workspace/.buildkite/scripts/install.sh
+  - pytest -v -s e.py
+"""
+
+
+def test_an_appended_step_takes_upstreams_setup_on_the_same_image():
+    """A step upstream lacks is appended as ours, but where upstream sets up
+    a step of ours that is set up as it is, on the same image, otherwise,
+    it runs upstream's setup (with its comments) and triggers on its script;
+    on another image it keeps ours, and where upstream's setup is ours, it
+    stays as written."""
+    merged = merge(VERIFIES, OURS_INSTALLING + OURS_APPENDED)
+    new, elsewhere = OURS_APPENDED.split("\n\n")
+    verifies = new.replace("install.sh", "verify.sh").replace(
+        "# Installs what the tests need.", "# Baked into the image."
+    )
+    assert merged.endswith(f"{verifies}\n\n{elsewhere}"), merged
+    installs = VERIFIES.replace(
+        "  # Baked into the image.\n  - bash /vllm-workspace/.buildkite/scripts"
+        "/verify.sh\n",
+        "  - bash /vllm-workspace/.buildkite/scripts/install.sh\n",
+    )
+    assert merge(installs, OURS_INSTALLING + OURS_APPENDED).endswith(OURS_APPENDED)
+
+
+def test_refuses_two_upstream_setups_for_one_appended_step():
+    upstream = VERIFIES + VERIFIES.split("steps:\n", 1)[1].replace(
+        "key: s", "key: t"
+    ).replace("verify.sh", "check.sh")
+    ours = OURS_INSTALLING + OURS_INSTALLING.split("steps:\n", 1)[1].replace(
+        "key: s", "key: t"
+    )
+    with pytest.raises(ValueError, match="n: upstream sets up steps of ours"):
+        merge(upstream, ours + OURS_APPENDED)
+
+
 def test_a_mirror_of_ours_takes_upstreams_mirror_form():
     """Where both have a mirror for a platform, ours stays, in the form of
     upstream's (its automatic_shard, label, device); a platform only
@@ -351,6 +407,11 @@ def _upstream_steps(text: str) -> dict[str, dict]:
     return steps
 
 
+def _image(step: dict) -> list:
+    depends = step.get("depends_on") or []
+    return [depends] if isinstance(depends, str) else depends
+
+
 def _setup(commands: list) -> list:
     firsts = [i for i, c in enumerate(commands) if c.startswith("pytest ")]
     return commands[: firsts[0] if firsts else len(commands)]
@@ -392,3 +453,19 @@ def test_ours_over_a_provisioned_release(sdist):
         for platform, job in (theirs[key].get("mirror") or {}).items():
             if platform not in (mine[key].get("mirror") or {}):
                 assert step["mirror"][platform] == job, (key, platform)
+    # A step upstream lacks runs the setup upstream gives a step of ours set
+    # up as it is on the same image (0.34.0: the GPU tier's step, as the
+    # 4xB200 one, checks the baked-in KV connectors); the CPU step, on
+    # another image, keeps ours.
+    steps = {s["key"]: s for s in yaml.safe_load(merged)["steps"]}
+    for key in mine.keys() - theirs.keys():
+        own = _setup(mine[key].get("commands", []))
+        donors = [
+            other
+            for other in mine.keys() & theirs.keys()
+            if _image(mine[other]) == _image(mine[key])
+            and _setup(mine[other].get("commands", [])) == own
+            and _setup(theirs[other].get("commands", []))
+        ]
+        want = _setup(steps[donors[0]]["commands"]) if donors else own
+        assert _setup(steps[key]["commands"]) == want, (key, donors)
