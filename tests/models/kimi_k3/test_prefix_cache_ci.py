@@ -1284,24 +1284,45 @@ def dry_run(
     """Run the install script in its dry-run mode on a platform that the
     stub python3 reports as ``probe``, with the distributions of ``site``
     alone installed, if given. Its temporary files go to tmp_path/tmp."""
-    stub = tmp_path / "bin"
-    stub.mkdir(parents=True)
-    (tmp_path / "tmp").mkdir()
-    (stub / "python3").write_text(STUB_PROBING_PYTHON.format(python=sys.executable))
-    (stub / "python3").chmod(0o755)
+    (tmp_path / "tmp").mkdir(parents=True)
     env = {
-        "PATH": os.pathsep.join([str(stub), "/usr/bin", "/bin"]),
         "KV_CONNECTORS_DRY_RUN": "1",
-        "HOME": str(tmp_path),
         "TMPDIR": str(tmp_path / "tmp"),
         "STUB_PROBE": probe,
         "STUB_SITE": str(site or ""),
     }
     if requirements is not None:
         env["KV_CONNECTORS_REQUIREMENTS"] = str(requirements)
+    stubs = {"python3": STUB_PROBING_PYTHON.format(python=sys.executable)}
+    return run_script(tmp_path, stubs, env)
+
+
+def run_script(
+    tmp_path: Path, stubs: dict[str, str], env: dict[str, str]
+) -> subprocess.CompletedProcess:
+    """Run the install script with ``stubs`` (name: text) first on PATH,
+    HOME in tmp_path and ``env`` beside them."""
+    stub = tmp_path / "bin"
+    stub.mkdir(parents=True)
+    for name, text in stubs.items():
+        (stub / name).write_text(text)
+        (stub / name).chmod(0o755)
+    path = os.pathsep.join([str(stub), "/usr/bin", "/bin"])
     return subprocess.run(
-        ["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60
+        ["bash", str(SCRIPT)],
+        env={"PATH": path, "HOME": str(tmp_path), **env},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
+
+
+def read_jsonl(log: Path) -> list:
+    """The JSON lines a stub logged, none where it never ran."""
+    if not log.exists():
+        return []
+    return [json.loads(line) for line in log.read_text().splitlines()]
 
 
 def _commands(result: subprocess.CompletedProcess) -> list[list[str]]:
@@ -1626,37 +1647,15 @@ def stubbed_run(
 ) -> tuple[subprocess.CompletedProcess, list[dict], list[list[str]]]:
     """Run the install script for real against the stubs: its result, what
     python3 was asked to run, and the uv commands."""
-    stub = tmp_path / "bin"
-    stub.mkdir(parents=True)
     python_log, uv_log = tmp_path / "python3.jsonl", tmp_path / "uv.jsonl"
-    for name, text in (
-        (
-            "python3",
-            STUB_PYTHON.format(python=sys.executable, log=str(python_log), probe=probe),
+    stubs = {
+        "python3": STUB_PYTHON.format(
+            python=sys.executable, log=str(python_log), probe=probe
         ),
-        ("uv", STUB_UV.format(python=sys.executable, log=str(uv_log))),
-    ):
-        (stub / name).write_text(text)
-        (stub / name).chmod(0o755)
-    result = subprocess.run(
-        ["bash", str(SCRIPT)],
-        env={
-            "PATH": os.pathsep.join([str(stub), "/usr/bin", "/bin"]),
-            "HOME": str(tmp_path),
-            "STUB_FAIL_ON": fail_on,
-        },
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-    def read(log: Path) -> list:
-        if not log.exists():
-            return []
-        return [json.loads(line) for line in log.read_text().splitlines()]
-
-    return result, read(python_log), read(uv_log)
+        "uv": STUB_UV.format(python=sys.executable, log=str(uv_log)),
+    }
+    result = run_script(tmp_path, stubs, {"STUB_FAIL_ON": fail_on})
+    return result, read_jsonl(python_log), read_jsonl(uv_log)
 
 
 @pytest.mark.parametrize(
@@ -1709,33 +1708,19 @@ def _site_run(
     """Run the install script for real with ``lock``, python3 seeing the
     distributions of ``site`` alone and uv recording what it is asked: the
     result and the uv commands."""
-    stub = tmp_path / "bin"
-    stub.mkdir(parents=True)
     uv_log = tmp_path / "uv.jsonl"
-    for name, text in (
-        ("python3", STUB_PROBING_PYTHON.format(python=sys.executable)),
-        ("uv", STUB_UV.format(python=sys.executable, log=str(uv_log))),
-        ("mooncake_master", "#!/bin/sh\n"),
-    ):
-        (stub / name).write_text(text)
-        (stub / name).chmod(0o755)
-    result = subprocess.run(
-        ["bash", str(SCRIPT)],
-        env={
-            "PATH": os.pathsep.join([str(stub), "/usr/bin", "/bin"]),
-            "HOME": str(tmp_path),
-            "TMPDIR": str(tmp_path),
-            "STUB_PROBE": probe,
-            "STUB_SITE": str(site),
-            "KV_CONNECTORS_REQUIREMENTS": str(lock),
-        },
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    calls = uv_log.read_text().splitlines() if uv_log.exists() else []
-    return result, [json.loads(line) for line in calls]
+    stubs = {
+        "python3": STUB_PROBING_PYTHON.format(python=sys.executable),
+        "uv": STUB_UV.format(python=sys.executable, log=str(uv_log)),
+        "mooncake_master": "#!/bin/sh\n",
+    }
+    env = {
+        "TMPDIR": str(tmp_path),
+        "STUB_PROBE": probe,
+        "STUB_SITE": str(site),
+        "KV_CONNECTORS_REQUIREMENTS": str(lock),
+    }
+    return run_script(tmp_path, stubs, env), read_jsonl(uv_log)
 
 
 def test_install_script_checks_the_lock_after_installing(tmp_path):
