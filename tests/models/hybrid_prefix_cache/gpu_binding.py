@@ -162,8 +162,26 @@ _DECODER_OWN_TOKEN = Known(
     geometry=(80, 80),
     in_record=True,
 )
+_DRAFTER_CHECKPOINT_MISSING = Known(
+    "xfail",
+    "partial mode with an MTP drafter: the drafter's lookup drops a unit "
+    "below the prompt's checkpoint, where 0.26 saved no state (0.32 saves "
+    "it there, v1/kv_cache_interface.py "
+    "get_mamba_prefill_checkpoint_position; 0.26 has none), so the hit "
+    "falls back to the last block's state; the outputs equal the "
+    "recompute's",
+    # The oracle's words for the first turn that lost it (harness.check_turn):
+    # the reference conversation's first prompt of 277 tokens at block 80.
+    evidence=(
+        "turn 1: cached 240 < expected checkpoint 256 of the previous 277-token prompt"
+    ),
+    geometry=(80, 16),
+    in_record=True,
+    releases="<0.32",
+)
 KNOWN: dict = {
     "offload-partial": (_HOST_FULL_BLOCKS,),
+    "plain-partial-mtp": (_DRAFTER_CHECKPOINT_MISSING,),
     "offload-partial-mtp": (
         replace(
             _HOST_FULL_BLOCKS,
