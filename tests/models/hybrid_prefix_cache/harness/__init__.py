@@ -31,10 +31,13 @@ The oracle, per turn (:func:`check_turn`):
 * like against like: the hit's greedy tokens and sampled logprobs equal those
   of the cold request on its own numerical path (its recompute on the same
   server, played alone; under P/D a cold twin through the same pair) within
-  the binding's tolerance, 0 on CPU; across paths (a batched hit against its
-  batched recompute, and under P/D the transfer check: the cold twin against
-  the decoder alone), within :data:`PATH_NOISE_MARGIN` times the largest gap
-  of the case's cold controls, at least :data:`PATH_NOISE_MIN_PAIRS` of them
+  the binding's tolerance, 0 on CPU; under P/D of one configuration, the
+  transfer within it too (``transfer``: the relay against the decoder alone
+  one token on, the decoder alone against the prefiller alone); across paths (a
+  batched hit against its batched recompute, and under P/D of two
+  configurations the cold twin against the decoder alone), within
+  :data:`PATH_NOISE_MARGIN` times the largest gap of the case's cold
+  controls, at least :data:`PATH_NOISE_MIN_PAIRS` of them
   (:func:`check_paths`, :func:`control_shifts`), a parting whose chosen
   tokens move by no more than that tolerance being a near tie, no failure
   (:func:`near_tie`); where no tolerance is measured (GPUs),
@@ -64,6 +67,7 @@ Which module owns what (each imports only the ones above it):
 * ``compare``: how outputs are judged: :class:`Sample`, :class:`Turn`,
   :func:`check_turn` (a turn against its rule and its own path) and
   :func:`check_paths` (across paths, against the case's measured noise);
+* ``transfer``: the P/D transfer judged exactly (:func:`check_transfer`);
 * ``reconcile``: the counter rule (:class:`Ledger`,
   :func:`counter_problems`, :func:`expected_requests`);
 * ``clock``: the per-phase clock of a case (:func:`phase`);
@@ -90,9 +94,9 @@ Which module owns what (each imports only the ones above it):
   fixture ``hybrid_suite``) that the CPU tier's conftest and the Kimi-K3
   module register.
 
-rules.py, compare.py, reconcile.py and workloads.py are pure (no ``requests``, no
-clock): a unit test or the scheduler tier uses them without a server. No
-module holds mutable state: the pool and the records belong to a
+rules.py, compare.py, transfer.py, reconcile.py and workloads.py are pure (no
+``requests``, no clock): a unit test or the scheduler tier uses them without a
+server. No module holds mutable state: the pool and the records belong to a
 :class:`Suite`, and servers are listed (for leak checks) in a ``launched``
 list their caller passes.
 """

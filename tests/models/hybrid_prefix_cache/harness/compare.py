@@ -126,6 +126,11 @@ class Turn:
     # control pairs: the i-th on the prompt and the recompute's first i + 2
     # tokens.
     more_controls: list[Sample] = field(default_factory=list)
+    # Where the P/D instances are one configuration, the transfer's exact
+    # counterparts of the recompute (harness.transfer): the relay through
+    # the pair, and the prompt served whole by the prefiller alone.
+    relay: Sample | None = None
+    prefiller_alone: Sample | None = None
     batched: bool = False
     # Where the binding is exact on block boundaries only
     # (Binding.exact_on_blocks): the hit, or an earlier request of its salt
@@ -520,7 +525,7 @@ def check_paths(
                     f"the prefix cache mid-block, differs from its {other}, {why} "
                     f"({noise}): the restored state is wrong"
                 )
-        if turn.twin is not None and not turn.batched:
+        if turn.twin is not None and not turn.batched and turn.relay is None:
             names = ("cold twin", "decoder alone")
             why = compare(turn, turn.twin, turn.recompute, names, tolerance, False)
             if why:

@@ -43,6 +43,10 @@ from tests.models.hybrid_prefix_cache.harness.rules import (
     plan_turns,
 )
 from tests.models.hybrid_prefix_cache.harness.servers import Server
+from tests.models.hybrid_prefix_cache.harness.transfer import (
+    check_transfer,
+    relay_prompt,
+)
 
 
 @dataclass(frozen=True)
@@ -185,12 +189,21 @@ def send_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
 def recompute_turn(play: Play, turn: Turn) -> None:
     """Recompute the turn's prompt on the decoder alone under a fresh salt
     (under P/D it computes the whole prompt itself, so a transfer that
-    corrupts the state cannot corrupt both sides alike), and under P/D send
-    the decode-against-prefill control; then check the turn."""
+    corrupts the state cannot corrupt both sides alike). Under P/D of one
+    configuration, send the transfer's exact counterparts (harness.transfer);
+    of two, or after a resume inside a block, the decode-against-prefill
+    control. Then check the turn."""
     start = time.monotonic()
     decoder, model, prompt = play.servers[-1], play.binding.model, turn.prompt
     turn.recompute = complete(decoder, model, prompt, fresh_salt("recompute"))
-    if len(play.servers) > 1 or turn.mid_block:
+    relays = play.deployment.same_instances and play.deployment.compares_logprobs
+    if relays:
+        relay = relay_prompt(turn)
+        turn.relay = send(play.servers, model, relay, fresh_salt("relay"))
+        turn.prefiller_alone = complete(
+            play.servers[0], model, prompt, fresh_salt("prefiller")
+        )
+    if (len(play.servers) > 1 and not relays) or turn.mid_block:
         # The recompute's second token came from a decode step, from a state
         # stored after its prefill and reloaded; here its first token is
         # part of the prompt, so the same logprob comes from the prefill
@@ -206,6 +219,7 @@ def recompute_turn(play: Play, turn: Turn) -> None:
         play.deployment.compares_logprobs,
         play.drafting.drops_unit,
     )
+    check_transfer(turn, play.logprob_atol)
 
 
 def play_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:

@@ -161,6 +161,15 @@ class Deployment:
         return 0 if self.prefill is None else PD_PREFILL_BACKOFF
 
     @property
+    def same_instances(self) -> bool:
+        """Whether a P/D prefiller and decoder are one configuration, their
+        environments aside (CPU thread binding), so that one request served
+        by either is computed alike (harness.transfer)."""
+        if self.prefill is None:
+            return False
+        return replace(self.prefill, env={}) == replace(self.decode, env={})
+
+    @property
     def compares_logprobs(self) -> bool:
         """Whether a hit's logprobs can be held to the recompute's.
 

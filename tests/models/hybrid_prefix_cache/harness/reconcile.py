@@ -240,20 +240,24 @@ def _delta(after: float | None, before: float | None) -> float | None:
 
 def expected_requests(num_servers: int, turns: Sequence["Turn"]) -> list[int]:
     """How many completions each server of a case must have finished: every
-    turn's request, and under P/D its cold twin, goes through the deployment
-    (a prefill leg on the prefiller, a decode leg on the decoder); its
-    recompute and its controls go to the decoder alone, which computes the
-    whole prompt itself."""
-    through = sum(1 + (turn.twin is not None) for turn in turns)
+    turn's request, and under P/D its cold twin and its transfer relay, goes
+    through the deployment (a prefill leg on the prefiller, a decode leg on
+    the decoder); its recompute and its controls go to the decoder alone,
+    which computes the whole prompt itself, and its prompt served whole to
+    the prefiller alone."""
+    through = sum(
+        1 + (turn.twin is not None) + (turn.relay is not None) for turn in turns
+    )
     alone = sum(
         (turn.recompute is not None)
         + (turn.control is not None)
         + len(turn.more_controls)
         for turn in turns
     )
+    prefiller = sum(turn.prefiller_alone is not None for turn in turns)
     if num_servers == 1:
         return [through + alone]
-    return [through, through + alone]
+    return [through + prefiller, through + alone]
 
 
 def counter_deltas(

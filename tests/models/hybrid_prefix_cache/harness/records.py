@@ -48,8 +48,9 @@ def format_table(
     """The turn table of one case: per turn, the hit, its recompute's
     tokens, the hit's gap to the request on its own path (``max|dlp|``; its
     batched cold twin when batched), and the gap of a comparison across
-    paths with its tolerance (``path|dlp|``, ``tol``: under P/D the cold
-    twin against the decoder alone); ``~`` marks a gap of samples that
+    paths with its tolerance (``path|dlp|``, ``tol``: under P/D the
+    transfer relay against the decoder alone, exactly, or else the cold twin
+    against it, within the measured noise); ``~`` marks a gap of samples that
     part, up to where they part. Then the case's path noise, if measured."""
     geometry = f"hit unit {units.hit}, block {units.block}" if units else "no geometry"
     lines = [
@@ -62,7 +63,14 @@ def format_table(
         out, rec = turn.output, turn.recompute
         same = "same" if out and rec and out.token_ids == rec.token_ids else "DIFF"
         own = next((c for c in turn.comparisons if c.what.startswith("hit ")), None)
-        across = next((c for c in turn.comparisons if not c.same_path), None)
+        across = next(
+            (
+                c
+                for c in turn.comparisons
+                if not c.same_path or c.what.startswith("transfer")
+            ),
+            None,
+        )
         if across is own:
             across = None
         tol = across.tolerance if across else own.tolerance if own else None
