@@ -181,6 +181,7 @@ def cpu_binding(model: TinyHybrid) -> Binding:
         # paths (batched), each case measures its own noise
         # (harness.check_paths).
         logprob_atol=0.0,
+        exact_across_instances=True,
         visible_devices_env=None,
         # Measured by dev/benchmark_cpu_tier.py on 2 cores, when each P/D
         # instance ran its rank in a worker process bound to a core of its

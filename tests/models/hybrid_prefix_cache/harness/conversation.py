@@ -190,13 +190,17 @@ def recompute_turn(play: Play, turn: Turn) -> None:
     """Recompute the turn's prompt on the decoder alone under a fresh salt
     (under P/D it computes the whole prompt itself, so a transfer that
     corrupts the state cannot corrupt both sides alike). Under P/D of one
-    configuration, send the transfer's exact counterparts (harness.transfer);
-    of two, or after a resume inside a block, the decode-against-prefill
-    control. Then check the turn."""
+    configuration where instances compute alike, send the transfer's exact
+    counterparts (harness.transfer); else, or after a resume inside a block,
+    the decode-against-prefill control. Then check the turn."""
     start = time.monotonic()
     decoder, model, prompt = play.servers[-1], play.binding.model, turn.prompt
     turn.recompute = complete(decoder, model, prompt, fresh_salt("recompute"))
-    relays = play.deployment.same_instances and play.deployment.compares_logprobs
+    relays = (
+        play.binding.exact_across_instances
+        and play.deployment.same_instances
+        and play.deployment.compares_logprobs
+    )
     if relays:
         relay = relay_prompt(turn)
         turn.relay = send(play.servers, model, relay, fresh_salt("relay"))

@@ -216,6 +216,10 @@ class Binding:
     resumes on a block boundary (a GPU under a budget of one block); one
     that resumes inside a block stored and reloaded its state where its
     recompute kept it, and is held to the case's measured noise.
+    ``exact_across_instances``: two instances of one configuration compute
+    one request bit for bit alike, so that the P/D transfer is judged
+    exactly (harness.transfer); seen on CPUs, where kernels pick no
+    configuration per process (GPU kernels may autotune per process).
     """
 
     model: str
@@ -229,6 +233,7 @@ class Binding:
     visible_devices_env: str | None = "CUDA_VISIBLE_DEVICES"
     concurrent_start: bool = True
     exact_on_blocks: bool = False
+    exact_across_instances: bool = False
 
 
 def server_args(binding: Binding, instance: Instance, mode: Mode) -> list[str]:
