@@ -75,12 +75,19 @@ class Sample:
 
     def shifted(self, tokens: int) -> "Sample":
         """This sample without its first ``tokens`` generated tokens."""
+        return self._sliced(slice(tokens, None))
+
+    def head(self, tokens: int) -> "Sample":
+        """This sample's first ``tokens`` generated tokens."""
+        return self._sliced(slice(None, tokens))
+
+    def _sliced(self, part: slice) -> "Sample":
         return replace(
             self,
-            token_ids=self.token_ids[tokens:],
+            token_ids=self.token_ids[part],
             text="",
-            token_logprobs=self.token_logprobs[tokens:],
-            top_logprobs=self.top_logprobs[tokens:],
+            token_logprobs=self.token_logprobs[part],
+            top_logprobs=self.top_logprobs[part],
         )
 
 

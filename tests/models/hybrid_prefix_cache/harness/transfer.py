@@ -8,8 +8,9 @@ alone has two exact counterparts:
 
 - **the relay**: the recompute's prompt and its first token, through the
   pair under a fresh salt. The prefiller computes exactly the recompute's
-  prompt (the pair's last token is the prefiller's backoff), cut into the
-  same chunks. The decoder then decodes the recompute's first token from the
+  prompt (the pair's last token is the prefiller's backoff,
+  rules.PD_PREFILL_BACKOFF, from NIXL's truncation), cut into the same
+  chunks. The decoder then decodes the recompute's first token from the
   transferred KV and state, where the decoder alone decoded it from the
   state it computed. Only where that state came from differs, so the relay
   equals the recompute from its second token on, bit for bit.
@@ -22,9 +23,7 @@ Neither comparison takes a tolerance from controls that the suspect code
 also runs.
 """
 
-from dataclasses import replace
-
-from tests.models.hybrid_prefix_cache.harness.compare import Sample, Turn, compare
+from tests.models.hybrid_prefix_cache.harness.compare import Turn, compare
 
 
 def relay_prompt(turn: Turn) -> list[int]:
@@ -34,23 +33,13 @@ def relay_prompt(turn: Turn) -> list[int]:
     return [*turn.prompt, *turn.recompute.token_ids[: turn.backoff]]
 
 
-def _head(sample: Sample, tokens: int) -> Sample:
-    return replace(
-        sample,
-        token_ids=sample.token_ids[:tokens],
-        token_logprobs=sample.token_logprobs[:tokens],
-        top_logprobs=sample.top_logprobs[:tokens],
-    )
-
-
 def check_transfer(turn: Turn, logprob_atol: float | None) -> None:
     """Hold ``turn``'s relay to its recompute one token on, and its recompute
     to the prefiller alone, both on one path (exactly where
     ``logprob_atol`` is 0); record every way they differ in
     ``turn.problems``."""
     rec = turn.recompute
-    if rec is None:
-        return
+    assert rec is not None
     if turn.prefiller_alone is not None:
         names = ("decoder alone", "prefiller alone")
         why = compare(turn, rec, turn.prefiller_alone, names, logprob_atol, True)
@@ -62,7 +51,7 @@ def check_transfer(turn: Turn, logprob_atol: float | None) -> None:
             )
     if turn.relay is not None:
         later = rec.shifted(turn.backoff)
-        relay = _head(turn.relay, len(later.token_ids))
+        relay = turn.relay.head(len(later.token_ids))
         names = ("transfer relay", "decoder alone one token on")
         why = compare(turn, relay, later, names, logprob_atol, True)
         if why:
