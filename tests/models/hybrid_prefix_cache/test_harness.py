@@ -1066,6 +1066,9 @@ def test_small_budget_servers_and_branch():
     pd = Deployment(prefill=Instance(), decode=Instance())
     served = harness.with_serve_args(pd, ("--b",))
     assert served.prefill.serve_args == served.decode.serve_args == ("--b",)
+    pinned = harness.with_serve_env(pd, {"OMP_NUM_THREADS": "1"})
+    assert pinned.prefill.env == pinned.decode.env == {"OMP_NUM_THREADS": "1"}
+    assert pd.decode.env == {}
 
 
 def _budget_turn(index: int, hit: Sample, recompute: Sample) -> Turn:
@@ -1099,6 +1102,29 @@ def test_budget_problems_hold_turns_to_the_default():
     small[1].prompt = [7]
     harness.budget_problems(small, defaults, 384, 0.0)
     assert "its prompt is not the default budget's" in small[1].problems[0]
+
+
+def test_budget_problems_where_chunk_ends_do_not_matter_are_exact():
+    def sample(cached: int, shift: float = 0.0) -> Sample:
+        return Sample([1, 2], "", [-1.0 + shift, -2.0], [{}, {}], 805, cached)
+
+    defaults = [_budget_turn(0, sample(0), sample(0))]
+    defaults.append(_budget_turn(1, sample(768), sample(0)))
+    small = [_budget_turn(0, sample(0), sample(0))]
+    small.append(_budget_turn(1, sample(768), sample(0)))
+    assert harness.budget_problems(small, defaults, 384, 0.0, exact=True) is None
+    assert not [p for turn in small for p in turn.problems]
+    # A recompute and a hit a rounding step off: no noise widens either.
+    small = [_budget_turn(0, sample(0), sample(0, 2**-12))]
+    small.append(_budget_turn(1, sample(768, 2**-12), sample(0)))
+    harness.budget_problems(small, defaults, 384, 0.0, exact=True)
+    assert (
+        "where a prefill's chunks end changes its arithmetic" in (small[0].problems[0])
+    )
+    assert (
+        "differs from the same hit under the default budget" in (small[1].problems[0])
+    )
+    assert small[1].problems[0].endswith("(exactly)")
 
 
 def test_a_known_bug_stops_its_case_once_its_evidence_shows():

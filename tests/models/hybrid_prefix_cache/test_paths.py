@@ -368,6 +368,45 @@ def test_a_batched_hit_beyond_the_path_noise_fails_naming_the_restored_state():
     assert all("batched hit" in p and "restored state is wrong" in p for p in problems)
 
 
+def invariant_turns(restored_error: float = 0.0, cold_error: float = 0.0):
+    """Two conversations batched on a server that computes each request as
+    alone: no twin, each hit against its recompute alone."""
+    turns = []
+    for conversation in range(2):
+        prev = 0
+        for index in range(3):
+            prompt_len = 421 + index * TURN_TOKENS
+            cached = expected_cached(prev, 64, False)
+            gap = restored_error if cached else cold_error
+            hit = sample(gap, cached=cached, prompt_len=prompt_len)
+            rec = sample(prompt_len=prompt_len)
+            t = turn(index, prev, prompt_len, 64, hit, rec, batched=True)
+            t.conversation, t.invariant = f"c{conversation}", True
+            turns.append(t)
+            prev = prompt_len
+    return turns
+
+
+def test_batched_hits_on_an_invariant_server_are_exact_and_measure_no_noise():
+    turns = invariant_turns()
+    noise, problems = play(turns, 64)
+    assert problems == [] and noise is None
+    assert all(cold_pairs(t) == [] for t in turns)
+    assert {c.what for t in turns for c in t.comparisons} == {
+        "hit vs recompute alone (batch-invariant server)"
+    }
+    assert all(c.tolerance == 0.0 and c.same_path for t in turns for c in t.comparisons)
+
+
+def test_a_batched_restore_a_rounding_step_off_fails_naming_the_batch():
+    _, problems = play(invariant_turns(restored_error=2**-12), 64)
+    assert len(problems) == 4
+    assert all("restored in a shared batch is wrong" in p for p in problems)
+    _, problems = play(invariant_turns(cold_error=2**-12), 64)
+    assert len(problems) == 2
+    assert all("carried between prefill steps in a shared batch" in p for p in problems)
+
+
 def test_a_near_tie_across_paths_passes_and_one_beyond_the_noise_fails():
     """Where the recompute takes the runner-up, each side ranks the other's
     token within the path tolerance: a near tie (shown, not failed)."""

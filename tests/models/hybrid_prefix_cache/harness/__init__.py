@@ -33,9 +33,12 @@ The oracle, per turn (:func:`check_turn`):
   server, played alone; under P/D a cold twin through the same pair) within
   the binding's tolerance, 0 on CPU; under P/D of one configuration, the
   transfer within it too (``transfer``: the relay against the decoder alone
-  one token on, the decoder alone against the prefiller alone); across paths (a
-  batched hit against its batched recompute, and under P/D of two
-  configurations the cold twin against the decoder alone), within
+  one token on, the decoder alone against the prefiller alone); batched on
+  servers that compute each request as alone
+  (``Binding.batch_invariant_env``), each hit against its recompute alone
+  within it too; across paths (elsewhere a batched hit against its batched
+  cold twin, and under P/D of two configurations the cold twin against the
+  decoder alone), within
   :data:`PATH_NOISE_MARGIN` times the largest gap of the case's cold
   controls, at least :data:`PATH_NOISE_MIN_PAIRS` of them
   (:func:`check_paths`, :func:`control_shifts`), a parting whose chosen
@@ -195,6 +198,7 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (  # noqa: F401
     select_known,
     server_args,
     with_serve_args,
+    with_serve_env,
 )
 from tests.models.hybrid_prefix_cache.harness.matrix import (  # noqa: F401
     CASE_TURNS,

@@ -47,6 +47,7 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (
     Units,
     select_known,
     with_serve_args,
+    with_serve_env,
 )
 from tests.models.hybrid_prefix_cache.harness.reconcile import (
     FIRST_TOKENS,
@@ -272,7 +273,9 @@ def run_case(
     """Serve ``deployment`` in ``mode`` on ``suite``'s servers and check its
     conversations: the reference one, or one per sweep shape in ``shapes``,
     played one after another or (``concurrent``) all at once, each of
-    ``num_turns`` growing turns and (``resend``) a resend.
+    ``num_turns`` growing turns and (``resend``) a resend. A concurrent
+    case is served with the binding's ``batch_invariant_env``, if it has one
+    (servers of its own).
 
     Returns the case's record, whose problems the test asserts on
     (``assert record.ok, record.explain()``); a case listed in ``known``
@@ -280,6 +283,8 @@ def run_case(
     table is printed whether the case passes or fails.
     """
     __tracebackhide__ = True
+    if concurrent and binding.batch_invariant_env is not None:
+        deployment = with_serve_env(deployment, binding.batch_invariant_env)
     with (
         expect_known(case_id, known) as run,
         reported_case(case_id, suite.records) as record,
@@ -535,8 +540,10 @@ def run_small_budget(
     :func:`served_budget` tokens a step and retain the states their chunks
     write a block apart (:func:`small_budget_args`, of the units the cell's
     servers reported), and held turn by turn to that case's record (the same
-    prompts, under the default budget): the same hits, and outputs within
-    the noise of the two budgets' cold recomputes (:func:`budget_problems`).
+    prompts, under the default budget): the same hits, and outputs exactly
+    where chunk ends do not change the arithmetic
+    (Binding.chunk_invariant), else within the noise of the two budgets'
+    cold recomputes (:func:`budget_problems`).
     Then a branch off its first prompt must resume at the block boundary
     that the small budget's chunks wrote (:func:`branch_checkpoint`). Each
     turn is also checked as any turn is, against its recompute on its own
@@ -571,7 +578,11 @@ def run_small_budget(
         conversation = reference_conversation(play.units, default_id)
         run_conversations(play, [conversation], record.turns)
         noise = budget_problems(
-            record.turns, default.turns, budget, binding.logprob_atol
+            record.turns,
+            default.turns,
+            budget,
+            binding.logprob_atol,
+            binding.chunk_invariant,
         )
         play.noise = play.noise or noise
         # A branch off the first prompt, under its salt: it resumes at a

@@ -139,6 +139,9 @@ class Turn:
     relay: Sample | None = None
     prefiller_alone: Sample | None = None
     batched: bool = False
+    # Batched on a server that computes each request as alone
+    # (Binding.batch_invariant_env): the hit is on its recompute's path.
+    invariant: bool = False
     # Where the binding is exact on block boundaries only
     # (Binding.exact_on_blocks): the hit, or an earlier request of its salt
     # that computed the state it restored, resumed inside a block, where a
@@ -289,6 +292,8 @@ def cold_pairs(turn: Turn) -> list[tuple[Sample, Sample]]:
     if rec is None:
         return []
     if turn.batched:
+        if turn.invariant:
+            return []
         pairs = [] if turn.twin is None else [(turn.twin, rec)]
         if turn.output is not None and turn.restored == 0:
             pairs.append((turn.output, rec))
@@ -461,10 +466,17 @@ def check_turn(
             f"{turn.expected} but within the bound {turn.bound}"
         )
     # The cold P/D twin takes the hit's path whatever the TP sizes; a
-    # recompute does only where the hit ran alone on the one server. A
-    # batched hit, and one that resumed mid-block where only block
-    # boundaries are exact, have no request on their path (check_paths).
-    if turn.batched or turn.mid_block:
+    # recompute does where the hit ran alone on the one server, or batched
+    # on one that computes each request as alone. Another batched hit, and
+    # one that resumed mid-block where only block boundaries are exact, have
+    # no request on their path (check_paths).
+    if (turn.batched and not turn.invariant) or turn.mid_block:
+        return
+    if turn.invariant:
+        names = ("hit", "recompute alone (batch-invariant server)")
+        why = compare_logprobs and compare(turn, out, rec, names, logprob_atol, True)
+        if why:
+            turn.problems.append(_batch_problem(turn, why))
         return
     if turn.twin is not None:
         reference, other = turn.twin, "cold twin"
@@ -486,6 +498,24 @@ def check_turn(
             f"{name}: restored nothing, yet differs from its {other} on the "
             f"same path, {why}: the path is not deterministic"
         )
+
+
+def _batch_problem(turn: Turn, why: str) -> str:
+    """Why a hit batched on a server that computes each request as alone
+    fails against its recompute alone."""
+    if turn.restored:
+        return (
+            f"{turn.name}: the batched hit, {turn.restored} tokens restored "
+            f"from the prefix cache, differs from its recompute alone on a "
+            f"server that computes each request as alone, {why}: the state "
+            f"restored in a shared batch is wrong"
+        )
+    return (
+        f"{turn.name}: restored nothing, yet the batched request differs from "
+        f"its recompute alone on a server that computes each request as "
+        f"alone, {why}: the state it carried between prefill steps in a "
+        f"shared batch is wrong, or its arithmetic depends on its batch"
+    )
 
 
 def check_paths(

@@ -116,9 +116,11 @@ class Play:
     """What a case needs to play turns: where, what, and how to check.
     ``logprob_atol`` holds a hit to the request on its own path (None:
     check_logprobs_close alone); ``batched`` plays turns at once, each hit
-    then held to its batched cold twin within the case's path noise
-    (``noise``, once measured). ``stop``, if given, ends a conversation
-    before its next turn once it holds for the turns played so far."""
+    then held to its recompute alone on a server that computes each request
+    as alone (:attr:`invariant`), else to its batched cold twin within the
+    case's path noise (``noise``, once measured). ``stop``, if given, ends a
+    conversation before its next turn once it holds for the turns played so
+    far."""
 
     servers: Sequence[Server]
     binding: Binding
@@ -139,6 +141,12 @@ class Play:
         return self.mode.drafting(self.deployment.instances[0])
 
     @property
+    def invariant(self) -> bool:
+        """Whether its turns are batched on servers that compute each request
+        as alone (Binding.batch_invariant_env; cases.run_case serves them)."""
+        return self.batched and self.binding.batch_invariant_env is not None
+
+    @property
     def recompute_atol(self) -> float | None:
         """What a hit and its recompute may differ by: ``logprob_atol``
         where both took one path, else the case's path tolerance."""
@@ -155,10 +163,11 @@ def send_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
     """Send ``prompt`` under ``salt`` (after the offload reset, if any),
     then its cold twin under a fresh salt, the way the hit went: under P/D
     through the same prefiller, transfer and decoder; batched, in the same
-    wave of requests. Played alone on one server, the recompute is the hit's
-    same-path control and no twin is sent."""
+    wave of requests. Played alone on one server, or batched on one that
+    computes each request as alone, the recompute is the hit's same-path
+    control and no twin is sent."""
     turn.prompt, turn.salt = list(prompt), salt
-    turn.batched = play.batched
+    turn.batched, turn.invariant = play.batched, play.invariant
     start = time.monotonic()
     servers, model = play.servers, play.binding.model
     if play.deployment.offload:
@@ -180,7 +189,7 @@ def send_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
                 f"grow ({before} -> {after}): the hit did not come from the "
                 f"offload tier"
             )
-    if len(servers) > 1 or play.batched:
+    if len(servers) > 1 or (play.batched and not play.invariant):
         twin_problems = None if play.batched else turn.problems
         turn.twin = send(servers, model, prompt, fresh_salt("twin"), twin_problems)
     turn.seconds += time.monotonic() - start

@@ -7,7 +7,7 @@ geometry a server reports (:class:`Units`), and the known-failure entries
 (:class:`Known`). Pure: nothing here talks to a server."""
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from math import lcm
 
@@ -179,15 +179,25 @@ class Deployment:
         return self.prefill is None or self.prefill.tp == self.decode.tp
 
 
+def _each_instance(
+    deployment: Deployment, change: Callable[[Instance], Instance]
+) -> Deployment:
+    prefill = None if deployment.prefill is None else change(deployment.prefill)
+    return replace(deployment, decode=change(deployment.decode), prefill=prefill)
+
+
 def with_serve_args(deployment: Deployment, args: Sequence[str]) -> Deployment:
     """``deployment`` with ``args`` added to the ``vllm serve`` arguments of
     each of its instances (a workload that needs servers of its own)."""
+    return _each_instance(
+        deployment, lambda i: replace(i, serve_args=(*i.serve_args, *args))
+    )
 
-    def extend(instance: Instance) -> Instance:
-        return replace(instance, serve_args=(*instance.serve_args, *args))
 
-    prefill = None if deployment.prefill is None else extend(deployment.prefill)
-    return replace(deployment, decode=extend(deployment.decode), prefill=prefill)
+def with_serve_env(deployment: Deployment, env: Mapping[str, str]) -> Deployment:
+    """``deployment`` with ``env`` added to the environment of each of its
+    instances (a case that needs servers of its own)."""
+    return _each_instance(deployment, lambda i: replace(i, env={**i.env, **env}))
 
 
 def device_ranges(deployment: Deployment) -> list[range]:
@@ -220,6 +230,10 @@ class Binding:
     one request bit for bit alike, so that the P/D transfer is judged
     exactly (harness.transfer); seen on CPUs, where kernels pick no
     configuration per process (GPU kernels may autotune per process).
+    ``batch_invariant_env``: an environment under which a server computes
+    each request as it would alone, whatever shares its steps; a batched
+    case is served with it and holds each hit exactly to its recompute
+    alone. None: it holds them to batched cold twins within measured noise.
     """
 
     model: str
@@ -234,6 +248,14 @@ class Binding:
     concurrent_start: bool = True
     exact_on_blocks: bool = False
     exact_across_instances: bool = False
+    batch_invariant_env: Mapping[str, str] | None = field(default=None, hash=False)
+
+    @property
+    def chunk_invariant(self) -> bool:
+        """Whether a hit is on its recompute's path wherever it resumes: then
+        where a prefill's chunks end does not change its arithmetic, and two
+        prefill budgets compute one prompt alike."""
+        return self.logprob_atol is not None and not self.exact_on_blocks
 
 
 def server_args(binding: Binding, instance: Instance, mode: Mode) -> list[str]:

@@ -46,8 +46,9 @@ def format_table(
     noise: PathNoise | None = None,
 ) -> str:
     """The turn table of one case: per turn, the hit, its recompute's
-    tokens, the hit's gap to the request on its own path (``max|dlp|``; its
-    batched cold twin when batched), and the gap of a comparison across
+    tokens, the hit's gap to the request on its own path (``max|dlp|``;
+    batched, its recompute alone on a batch-invariant server, or else its
+    batched cold twin), and the gap of a comparison across
     paths with its tolerance (``path|dlp|``, ``tol``: under P/D the
     transfer relay against the decoder alone, exactly, or else the cold twin
     against it, within the measured noise); ``~`` marks a gap of samples that

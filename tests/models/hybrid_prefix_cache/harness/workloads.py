@@ -336,16 +336,19 @@ def budget_problems(
     defaults: Sequence[Turn],
     budget: int,
     logprob_atol: float | None,
+    exact: bool = False,
 ) -> PathNoise | None:
     """Hold each turn played under a prefill budget of ``budget`` tokens
     (``turns``) to the same turn of the same conversation played under the
     default budget (``defaults``, on the cell's own servers): the same
     prompt, the same hit, and a hit's output within the noise that the two
-    budgets' cold recomputes of each prompt show (their chunks take other
-    numerical paths). Appends to each turn's problems; returns that noise
-    (None where no turn has both recomputes)."""
+    budgets' cold recomputes of each prompt show (their chunks end
+    elsewhere). Where chunk ends do not change the arithmetic (``exact``:
+    Binding.chunk_invariant), the hits are held to ``logprob_atol`` instead
+    and the recomputes too, and no noise is measured. Appends to each turn's
+    problems; returns the noise (None where none is measured)."""
     pairs = [
-        (turn.recompute, default.recompute)
+        (turn, turn.recompute, default.recompute)
         for turn, default in zip(turns, defaults)
         if turn.recompute is not None and default.recompute is not None
     ]
@@ -354,8 +357,17 @@ def budget_problems(
             f"{len(turns)} turns under a budget of {budget}, {len(defaults)} "
             f"under the default"
         )
-    noise = pairs_noise(pairs)
-    tolerance = None if noise is None else noise.held_to(logprob_atol)
+    noise = None if exact else pairs_noise([(a, b) for _, a, b in pairs])
+    tolerance = logprob_atol if exact or noise is None else noise.held_to(logprob_atol)
+    names = (f"recompute at budget {budget}", "recompute at the default budget")
+    for turn, small, default in pairs if exact else ():
+        why = compare(turn, small, default, names, tolerance, True)
+        if why:
+            turn.problems.append(
+                f"{turn.name}: the cold recompute under a budget of {budget} "
+                f"differs from the one under the default budget, {why}: where "
+                f"a prefill's chunks end changes its arithmetic"
+            )
     names = (f"hit at budget {budget}", "hit at the default budget")
     for turn, default in zip(turns, defaults):
         if turn.prompt != default.prompt:
@@ -371,12 +383,12 @@ def budget_problems(
             )
         if turn.output is None or default.output is None:
             continue
-        why = compare(turn, turn.output, default.output, names, tolerance, False)
+        why = compare(turn, turn.output, default.output, names, tolerance, exact)
         if why:
+            held = "exactly" if exact else f"{noise}, the two budgets' recomputes"
             turn.problems.append(
                 f"{turn.name}: the hit, {turn.restored} tokens restored, differs "
-                f"from the same hit under the default budget, {why} ({noise}, "
-                f"the two budgets' cold recomputes)"
+                f"from the same hit under the default budget, {why} ({held})"
             )
     return noise
 
