@@ -162,6 +162,9 @@ DEPLOYMENTS = {
 }
 
 CORES = len(os.sched_getaffinity(0))
+# One OpenMP thread computes a request in one order whatever shares its step;
+# two split the work by the batch (findings/batch-noise-cpu.md).
+BATCH_INVARIANT_ENV = {"OMP_NUM_THREADS": "1"}
 
 
 def cpu_binding(model: TinyHybrid) -> Binding:
@@ -181,9 +184,7 @@ def cpu_binding(model: TinyHybrid) -> Binding:
         # (harness.transfer, batch_invariant_env).
         logprob_atol=0.0,
         exact_across_instances=True,
-        # One OpenMP thread computes a request in one order whatever shares
-        # its step; two split the work by the batch (findings/batch-noise-cpu.md).
-        batch_invariant_env={"OMP_NUM_THREADS": "1"},
+        batch_invariant_env=BATCH_INVARIANT_ENV,
         visible_devices_env=None,
         # Measured by dev/benchmark_cpu_tier.py on 2 cores, when each P/D
         # instance ran its rank in a worker process bound to a core of its

@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 
 from tests.models.hybrid_prefix_cache.cpu_binding import (
+    BATCH_INVARIANT_ENV,
     CORES,
     DEPLOYMENTS,
     MODES,
@@ -296,6 +297,7 @@ MATRIX = Matrix(
     KNOWN,
     sweep=("plain-block", "plain-partial"),
     workloads=WORKLOADS,
+    batch_servers=BATCH_INVARIANT_ENV is not None,
 )
 
 

@@ -825,6 +825,15 @@ def test_matrix_builds_cases_known_failures_and_params():
     assert marks["plain-block-aligned"].kwargs["seconds"] == case_seconds(
         1, CASE_TURNS, False
     )
+    # A concurrent case shares its cell's servers, or where its binding
+    # serves batches alike starts its own, after the cell's sweep.
+    assert own.servers_key("plain-block-concurrent") == "plain-block"
+    batches = replace(own, batch_servers=True)
+    assert batches.servers_key("plain-block-concurrent") == "plain-block-concurrent"
+    (mark,) = next(
+        p for p in batches.params() if p.id == "plain-block-concurrent"
+    ).marks
+    assert mark.kwargs["seconds"] == case_seconds(1, CASE_TURNS, True)
     # A P/D resend costs its two requests on its cell's running servers.
     pd = {"pd": Deployment(decode=Instance(), prefill=Instance())}
     resends = Matrix(pd, modes, workloads={"pd-resend": ("pd-block",)})

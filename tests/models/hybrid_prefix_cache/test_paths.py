@@ -357,9 +357,11 @@ def intel_batched_turns(restored_error: float = 0.0) -> list[Turn]:
 
 
 def test_intel_batched_turns_pass():
-    noise, problems = play(intel_batched_turns(), 64)
+    turns = intel_batched_turns()
+    noise, problems = play(turns, 64)
     assert problems == []
     assert noise.floor == 2**-7
+    assert {c.judged for t in turns for c in t.comparisons} == {"measured noise"}
 
 
 def test_a_batched_hit_beyond_the_path_noise_fails_naming_the_restored_state():
@@ -395,7 +397,7 @@ def test_batched_hits_on_an_invariant_server_are_exact_and_measure_no_noise():
     assert {c.what for t in turns for c in t.comparisons} == {
         "hit vs recompute alone (batch-invariant server)"
     }
-    assert all(c.tolerance == 0.0 and c.same_path for t in turns for c in t.comparisons)
+    assert {c.judged for t in turns for c in t.comparisons} == {"exact"}
 
 
 def test_a_batched_restore_a_rounding_step_off_fails_naming_the_batch():

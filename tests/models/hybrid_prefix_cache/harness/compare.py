@@ -20,38 +20,16 @@ from tests.models.utils import check_logprobs_close
 NUM_LOGPROBS = 5
 
 
-# Where two requests take different numerical paths (a P/D decoder computes
-# the last prompt token in the decode path, the decoder alone in the prefill
-# path; batches of different shapes split a prefill differently), their
-# sampled logprobs differ by rounding. That noise is measured in each case on
-# its cold controls (:func:`path_noise`), and a comparison across the two
-# paths may differ by up to PATH_NOISE_MARGIN times the largest gap seen
-# there. bf16 rounding noise comes in steps of powers of two (measured gaps
-# sit at 2^-8, 2^-7 and a few times 2^-7, on AMD EPYC and Intel Xeon alike):
-# 4 allows two binades above the largest cold gap, for a gap that the case's
-# controls did not happen to reach (on the Intel Xeon, cross-path gaps of hit
-# turns stayed within 1.14x their case's largest cold gap). The noise must
-# be continuous for its largest cold gap to bound it: the generated model
-# routes every expert (tiny_hybrid.EXPERTS), since a routing flip on one path
-# moved one position 20x the rest. A 10% error in the recurrent state moves
-# the sampled logprobs by 0.2 to 0.27 in sensitivity.py's float32 measure
-# (tiny_hybrid.DECAY_RATE_RANGE), 26x or more the P/D noise of an AVX512-BF16
-# CPU but only 3 to 4x the 0.06 of an AVX2-only one (served, with 2 experts
-# routed, 10% off on every restored state moved a hit 800 tokens past its
-# checkpoint by 0.05 to 0.1). The one-path comparisons (exact) are what catch
-# a wrong state; a cross-path one catches a gross one (a decoder that reads
-# another block's transferred state).
+# Where no construction makes two paths compute alike (a GPU P/D decoder's
+# last prompt token, a GPU hit resumed inside a block, a batch on a binding
+# without batch_invariant_env), a comparison across them is held to this many
+# times the largest gap of the case's cold controls (:func:`path_noise`):
+# bf16 noise comes in powers of two, and 4 is two binades. The CPU tier holds
+# no comparison to it; findings/path-noise-margin.md has the records.
 PATH_NOISE_MARGIN = 4
-# A case's largest cold gap bounds its cross-path gaps only if it is taken
-# over enough pairs: the noise is heavy-tailed (most positions of a pair
-# within 2^-8, one in several a few times 2^-5). So a case measures it on at
-# least as many cold control pairs as the reference conversation has turns
-# (NUM_TURNS and its resend), taking more of them where it has fewer (under
-# P/D, controls shifted further into its recompute, conversation.
-# measure_path_noise). On an Intel Xeon with AVX512-BF16 and no AMX, a P/D
-# case of one turn measured 0.0065 on its one pair while its cold twin stood
-# 0.058 from the decoder alone, a gap of the size its servers' reference case
-# measured (0.11 over 4 pairs).
+# A heavy-tailed noise needs enough pairs for its largest gap to bound it: at
+# least as many as the reference conversation has turns with its resend
+# (conversation.measure_path_noise adds them); findings/path-noise-margin.md.
 PATH_NOISE_MIN_PAIRS = 4
 
 
@@ -104,6 +82,16 @@ class Comparison:
     tolerance: float | None
     same_path: bool
     divergence: str = ""
+
+    @property
+    def judged(self) -> str:
+        """How, for the record: exactly, within the binding's same-path
+        tolerance, within a measured path noise, or by check_logprobs_close."""
+        if self.tolerance is None:
+            return "check_logprobs_close"
+        if not self.same_path:
+            return "measured noise"
+        return "exact" if self.tolerance == 0 else "same-path tolerance"
 
 
 @dataclass

@@ -180,6 +180,9 @@ class Matrix:
     sweep: tuple[str, ...] = ()
     workloads: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     workload_turns: Mapping[str, int] = field(default_factory=dict)
+    # Whether a concurrent case starts servers of its own (its binding's
+    # batch_invariant_env).
+    batch_servers: bool = False
     cases: dict[str, Case] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -234,9 +237,11 @@ class Matrix:
 
     def servers_key(self, case_id: str) -> str:
         """What the case's servers are known by: its cell's, or its own for
-        a workload that starts servers of its own."""
+        a workload, or a concurrent case, that starts servers of its own."""
         case = self.cases[case_id]
         if case.workload is not None and WORKLOADS[case.workload].own_servers:
+            return case.case_id
+        if case.concurrent and self.batch_servers:
             return case.case_id
         return case.cell
 

@@ -189,8 +189,11 @@ class CaseRecord:
                     "control": sample(t.control),
                     "more_controls": [sample(c) for c in t.more_controls],
                     "batched": t.batched,
+                    "batch_invariant": t.invariant,
                     "mid_block": t.mid_block,
-                    "comparisons": [vars(c) for c in t.comparisons],
+                    "comparisons": [
+                        {**vars(c), "judged": c.judged} for c in t.comparisons
+                    ],
                     "problems": t.problems,
                     "notices": t.notices,
                     "salt": t.salt,
