@@ -1080,7 +1080,7 @@ def test_small_budget_servers_and_branch():
     assert pd.decode.env == {}
 
 
-def _budget_turn(index: int, hit: Sample, recompute: Sample) -> Turn:
+def _budget_turn(index: int, hit: Sample, recompute: Sample | None) -> Turn:
     return Turn("", index, 805, 0, 0, output=hit, recompute=recompute, prompt=[index])
 
 
@@ -1134,6 +1134,13 @@ def test_budget_problems_where_chunk_ends_do_not_matter_are_exact():
         "differs from the same hit under the default budget" in (small[1].problems[0])
     )
     assert small[1].problems[0].endswith("(exactly)")
+    # Not exact and no recomputes to measure noise on: check_logprobs_close
+    # decides, as before there was an exact mode.
+    bare = [_budget_turn(0, sample(0), None), _budget_turn(1, sample(768), None)]
+    assert harness.budget_problems(bare, defaults, 384, 0.0) is None
+    assert {c.judged for turn in bare for c in turn.comparisons} == {
+        "check_logprobs_close"
+    }
 
 
 def test_a_known_bug_stops_its_case_once_its_evidence_shows():

@@ -460,22 +460,20 @@ def check_turn(
     # no request on their path (check_paths).
     if (turn.batched and not turn.invariant) or turn.mid_block:
         return
-    if turn.invariant:
-        names = ("hit", "recompute alone (batch-invariant server)")
-        why = compare_logprobs and compare(turn, out, rec, names, logprob_atol, True)
-        if why:
-            turn.problems.append(_batch_problem(turn, why))
-        return
     if turn.twin is not None:
         reference, other = turn.twin, "cold twin"
     elif not compare_logprobs:
         return
+    elif turn.invariant:
+        reference, other = rec, "recompute alone (batch-invariant server)"
     else:
         reference, other = rec, "recompute"
     why = compare(turn, out, reference, ("hit", other), logprob_atol, True)
     if not why:
         return
-    if turn.restored:
+    if turn.invariant:
+        turn.problems.append(_batch_problem(turn, why))
+    elif turn.restored:
         turn.problems.append(
             f"{name}: the hit, {turn.restored} tokens restored from the prefix "
             f"cache, differs from its {other} on the same path, {why}: the "

@@ -357,17 +357,20 @@ def budget_problems(
             f"{len(turns)} turns under a budget of {budget}, {len(defaults)} "
             f"under the default"
         )
-    noise = None if exact else pairs_noise([(a, b) for _, a, b in pairs])
-    tolerance = logprob_atol if exact or noise is None else noise.held_to(logprob_atol)
-    names = (f"recompute at budget {budget}", "recompute at the default budget")
-    for turn, small, default in pairs if exact else ():
-        why = compare(turn, small, default, names, tolerance, True)
-        if why:
-            turn.problems.append(
-                f"{turn.name}: the cold recompute under a budget of {budget} "
-                f"differs from the one under the default budget, {why}: where "
-                f"a prefill's chunks end changes its arithmetic"
-            )
+    if exact:
+        noise, tolerance = None, logprob_atol
+        names = (f"recompute at budget {budget}", "recompute at the default budget")
+        for turn, small, default in pairs:
+            why = compare(turn, small, default, names, tolerance, True)
+            if why:
+                turn.problems.append(
+                    f"{turn.name}: the cold recompute under a budget of {budget} "
+                    f"differs from the one under the default budget, {why}: "
+                    f"where a prefill's chunks end changes its arithmetic"
+                )
+    else:
+        noise = pairs_noise([(small, default) for _, small, default in pairs])
+        tolerance = None if noise is None else noise.held_to(logprob_atol)
     names = (f"hit at budget {budget}", "hit at the default budget")
     for turn, default in zip(turns, defaults):
         if turn.prompt != default.prompt:
