@@ -43,9 +43,12 @@ from tests.models.hybrid_prefix_cache.harness import (
     Suite,
     run_case,
     server_specs,
+)
+from tests.models.hybrid_prefix_cache.harness.servers import (
     start_servers,
 )
 from tests.models.hybrid_prefix_cache.tiny_hybrid import write_tiny_hybrid
+from tests.utils import RemoteOpenAIServer
 
 
 def _start_seconds(specs, binding, concurrent: bool) -> list[float]:
@@ -53,7 +56,7 @@ def _start_seconds(specs, binding, concurrent: bool) -> list[float]:
     try:
         return [s.startup_seconds or 0.0 for s in servers]
     finally:
-        harness.RemoteOpenAIServer.shutdown_many(servers)
+        RemoteOpenAIServer.shutdown_many(servers)
 
 
 def _matrix_starts() -> tuple[int, int]:
@@ -99,7 +102,7 @@ def phase_seconds(folder: Path) -> Counter:
             phases["confirmations of known failures"] += call
         elif record is not None:
             spent = record.get("phase_seconds", {})
-            for name in harness.PHASES:
+            for name in harness.clock.PHASES:
                 phases[f"cases: {name}"] += spent.get(name, 0.0)
             phases["cases: checks and the rest"] += call - sum(spent.values())
         else:

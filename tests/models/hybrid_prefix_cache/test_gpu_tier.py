@@ -1,22 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""GPU tier of the hybrid prefix-cache suite: the tiny Qwen3-Next model that
-the suite writes itself (with its MTP layer), served by CUDA vLLM on one GPU,
-through the shared harness: plain, CPU offload, and P/D over NIXL with both
-instances on the one GPU, with and without offload; block and partial mode,
-each with MTP drafts.
-
-Exact by construction: the servers schedule a prefill budget of one block
-(rules.exact_budget of the geometry a first server reports), so that a hit
-on a block boundary and its recompute are cut into the same chunks and must
-agree bit for bit; a hit that resumes inside a block is held to the noise
-its case measures on cold decode-against-prefill pairs. Two cases measure
-what the default budget gives instead, under check_logprobs_close.
-
-Runs with plain ``pytest -v -s`` wherever CUDA vLLM is installed; skips
-elsewhere with its reason. dev/gpu/ runs it on a machine without a package
-index.
-"""
+"""GPU tier: the suite's tiny Qwen3-Next with MTP on one CUDA GPU, plain,
+offload and P/D, block and partial, with MTP drafts. A one-block budget makes
+block-boundary hits exact (rules.exact_budget); two cases keep the default
+budget under check_logprobs_close. Skips without CUDA vLLM."""
 
 import dataclasses
 import json
@@ -51,17 +38,14 @@ def model(tmp_path_factory) -> TinyHybrid:
     return write_tiny_hybrid(tmp_path_factory.mktemp("tiny-mtp"), "mtp")
 
 
-# Where a session writes the geometry it read, for the sessions that
-# dev/gpu/run_tier.sh starts beside it to read instead of starting a server.
+# shares the geometry read with dev/gpu/run_tier.sh's sibling sessions
 UNITS_FILE_ENV = "HYBRID_PC_GPU_UNITS_FILE"
 
 
 @pytest.fixture(scope="module")
 def units(hybrid_suite: Suite, model: TinyHybrid) -> Units:
-    """The geometry the model resolves on this GPU, as its plain server at
-    vLLM's default budget reports it (vllm:cache_config_info); the default
-    budget's own cases then run on that server. Read from the file that
-    UNITS_FILE_ENV names where another session of this run wrote it."""
+    """The geometry the plain default-budget server reports, or a sibling
+    session's from UNITS_FILE_ENV."""
     shared = os.environ.get(UNITS_FILE_ENV)
     if shared and Path(shared).exists():
         return Units(**json.loads(Path(shared).read_text()))
@@ -77,9 +61,8 @@ def units(hybrid_suite: Suite, model: TinyHybrid) -> Units:
 def test_default_budget(
     hybrid_suite: Suite, model: TinyHybrid, units: Units, mode_name: str
 ) -> None:
-    """The reference conversation at vLLM's default prefill budget, where a
-    hit and its recompute are cut into different chunks: its gaps are
-    recorded, and only check_logprobs_close holds them (upstream's rule)."""
+    """The default budget chunks a hit and its recompute apart: only
+    check_logprobs_close holds them, as upstream does."""
     binding = gpu_binding(model, exact=False)
     mode = served_mode(MODES[mode_name], units)
     case_id = f"plain-{mode_name}-default-budget"

@@ -19,11 +19,15 @@ from tests.models.hybrid_prefix_cache.cpu_binding import cpu_binding
 from tests.models.hybrid_prefix_cache.harness import (
     CaseRecord,
     Known,
-    ServerError,
     Units,
+)
+from tests.models.hybrid_prefix_cache.harness.cases import (
     expect_known,
 )
-from tests.models.hybrid_prefix_cache.test_paths import (
+from tests.models.hybrid_prefix_cache.harness.servers import (
+    ServerError,
+)
+from tests.models.hybrid_prefix_cache.replayed_turns import (
     branch_apart_turn,
     lost_checkpoint_turn,
     lost_resend_turn,
@@ -35,7 +39,7 @@ pytestmark = pytest.mark.skip_global_cleanup
 
 
 def _kimi_tables() -> dict[str, dict[str, tuple[Known, ...]]]:
-    from tests.models.kimi_k3 import test_prefix_cache as kimi
+    from tests.models.kimi_k3 import prefix_cache_binding as kimi
 
     return kimi.KNOWN
 
@@ -219,7 +223,7 @@ def binding(tmp_path_factory):
 def test_a_refused_config_shows_its_evidence(case_id, entry, binding):
     """The refusal of vLLM's own config build, in-process, on the servers'
     arguments."""
-    with pytest.raises(pytest.skip.Exception, match="refused in-process"):
+    with pytest.raises(pytest.skip.Exception, match="confirmed"):
         cpu_known.confirm_at_config(binding, case_id, entry)
     stale = Known(
         entry.kind, entry.reason, "a refusal vLLM never gives", at_config=True

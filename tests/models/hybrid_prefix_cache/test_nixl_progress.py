@@ -13,7 +13,9 @@ import sys
 import textwrap
 
 from tests.models.hybrid_prefix_cache.cpu_binding import CPU_ONLY, NIXL_PROGRESS
-from tests.models.hybrid_prefix_cache.harness import layered_env
+from tests.models.hybrid_prefix_cache.harness.servers import (
+    layered_env,
+)
 
 pytestmark = CPU_ONLY
 

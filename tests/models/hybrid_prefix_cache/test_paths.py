@@ -9,201 +9,35 @@ wrong, if any. Pure: no server."""
 import pytest
 
 from tests.models.hybrid_prefix_cache.harness import (
-    PATH_NOISE_MARGIN,
-    PATH_NOISE_MIN_PAIRS,
-    TURN_TOKENS,
+    Units,
+)
+from tests.models.hybrid_prefix_cache.harness.compare import (
     Sample,
     Turn,
-    Units,
-    branch_checkpoint,
-    branch_lengths,
-    check_paths,
     check_turn,
-    cold_pairs,
     compare,
-    control_shifts,
-    expected_cached,
-    expected_resend,
-    hit_bound,
     logprob_gap,
+)
+from tests.models.hybrid_prefix_cache.harness.paths import (
+    PATH_NOISE_MARGIN,
+    PATH_NOISE_MIN_PAIRS,
+    check_paths,
+    cold_pairs,
+    control_shifts,
     path_noise,
+)
+from tests.models.hybrid_prefix_cache.harness.rules import (
+    TURN_TOKENS,
+    expected_cached,
+)
+from tests.models.hybrid_prefix_cache.replayed_turns import (
+    RUNNER_UP,
+    TOKENS,
+    sample,
+    turn,
 )
 
 pytestmark = pytest.mark.skip_global_cleanup
-
-TOKENS = [11, 12, 13, 14, 15, 16, 17, 18]
-BASE = [-0.5, -0.25, -1.0, -0.75, -0.5, -2.0, -0.125, -1.5]
-RUNNER_UP = 99  # every position's second choice, 0.5 below the first
-
-
-def sample(
-    gap: float = 0.0,
-    cached: int = 0,
-    prompt_len: int = 805,
-    tokens: list[int] = TOKENS,
-    at: int = 0,
-    shift: int = 0,
-) -> Sample:
-    """A greedy sample of ``tokens`` (from index ``shift`` on) whose
-    logprobs sit ``gap`` away from BASE from index ``at`` on, each position
-    with a runner-up 0.5 below in its top-k."""
-    tokens = tokens[shift:]
-    logprobs = [lp + (gap if i >= at else 0.0) for i, lp in enumerate(BASE[shift:])]
-    return Sample(
-        token_ids=list(tokens),
-        text="",
-        token_logprobs=logprobs,
-        top_logprobs=[
-            {token: lp, RUNNER_UP: lp - 0.5} for token, lp in zip(tokens, logprobs)
-        ],
-        prompt_tokens=prompt_len,
-        cached_tokens=cached,
-    )
-
-
-def turn(
-    index: int,
-    prev_len: int,
-    prompt_len: int,
-    unit: int,
-    hit: Sample,
-    recompute: Sample,
-    **fields,
-) -> Turn:
-    resend = fields.pop("resend", False)
-    drops = fields.pop("drops_unit", False)
-    backoff = fields.pop("backoff", 0)
-    seen_prev, seen = max(prev_len - backoff, 0), prompt_len - backoff
-    played = Turn(
-        fields.pop("conversation", ""),
-        index,
-        prompt_len,
-        prev_len,
-        expected_cached(seen_prev, unit, drops),
-        bound=hit_bound(seen_prev, seen, unit),
-        resend=resend,
-        backoff=backoff,
-        output=hit,
-        recompute=recompute,
-        **fields,
-    )
-    return played
-
-
-def lost_checkpoint_turn(
-    shape: str,
-    index: int,
-    prev_len: int,
-    unit: int,
-    hit: int = 0,
-    block: int | None = None,
-    drops_unit: bool = False,
-) -> Turn:
-    """A turn of sweep ``shape`` that hit ``hit`` (nothing by default) where
-    the previous ``prev_len``-token prompt left a deeper checkpoint, checked
-    by the oracle at block ``block`` (the hit unit by default)."""
-    prompt_len = prev_len + TURN_TOKENS
-    played = turn(
-        index,
-        prev_len,
-        prompt_len,
-        unit,
-        sample(cached=hit, prompt_len=prompt_len),
-        sample(prompt_len=prompt_len),
-        conversation=shape,
-        drops_unit=drops_unit,
-    )
-    check_turn(played, Units(block=block or unit, hit=unit), 0.0)
-    return played
-
-
-def lost_resend_turn(
-    prompt_len: int,
-    unit: int,
-    backoff: int = 0,
-    hit: int = 0,
-    drops_unit: bool = False,
-) -> Turn:
-    """An exact resend of ``prompt_len`` tokens that hit ``hit`` (nothing by
-    default) where its own checkpoint is (of the prompt less ``backoff``,
-    which the P/D prefiller sees; one unit lower where the drafter
-    ``drops_unit``), checked by the oracle."""
-    played = turn(
-        1,
-        prompt_len,
-        prompt_len,
-        unit,
-        sample(cached=hit, prompt_len=prompt_len),
-        sample(prompt_len=prompt_len),
-        resend=True,
-        backoff=backoff,
-        drops_unit=drops_unit,
-    )
-    check_turn(played, Units(block=unit, hit=unit), 0.0)
-    return played
-
-
-def restored_apart_turn(
-    shape: str,
-    index: int,
-    prev_len: int,
-    prompt_len: int,
-    unit: int,
-    gap: float,
-    block: int | None = None,
-    pd: bool = False,
-) -> Turn:
-    """A turn of sweep ``shape`` that hit its checkpoint and whose logprobs
-    sit ``gap`` from the request on its own path: its recompute (played
-    alone), or under P/D (``pd``: the prefiller sees the prompt one token
-    short) its cold twin through the same pair; checked by the oracle."""
-    backoff = 1 if pd else 0
-    cached = expected_cached(max(prev_len - backoff, 0), unit, False)
-    twin = {"twin": sample(prompt_len=prompt_len)} if pd else {}
-    played = turn(
-        index,
-        prev_len,
-        prompt_len,
-        unit,
-        sample(gap, cached=cached, prompt_len=prompt_len),
-        sample(prompt_len=prompt_len),
-        backoff=backoff,
-        conversation=shape,
-        **twin,
-    )
-    check_turn(played, Units(block=block or unit, hit=unit), 0.0)
-    return played
-
-
-def branch_apart_turn(
-    units: Units, gap: float, pd: bool = False, parts_at: int | None = None
-) -> Turn:
-    """A small-budget case's branch that resumed at its block checkpoint
-    (harness.branch_checkpoint) and whose logprobs sit ``gap`` from its
-    recompute on the same server, or under P/D (``pd``) from its cold twin
-    through the same pair, or (``parts_at``) that takes the runner-up there;
-    checked by the oracle."""
-    shared, length = branch_lengths(units)
-    cached = branch_checkpoint(shared, units, False)
-    hit = sample(gap, cached=cached, prompt_len=length)
-    if parts_at is not None:
-        hit.token_ids[parts_at] = RUNNER_UP
-        lp = hit.token_logprobs[parts_at]
-        hit.top_logprobs[parts_at] = {RUNNER_UP: lp, TOKENS[parts_at]: lp - gap}
-    twin = {"twin": sample(prompt_len=length), "backoff": 1} if pd else {}
-    played = turn(
-        0,
-        shared,
-        length,
-        units.hit,
-        hit,
-        sample(prompt_len=length),
-        conversation="branch",
-        **twin,
-    )
-    played.expected = cached
-    check_turn(played, units, 0.0)
-    return played
 
 
 def play(turns: list[Turn], unit: int, atol: float | None = 0.0):
@@ -520,90 +354,3 @@ def test_logprob_gap_stops_where_the_tokens_part():
 
 def test_no_path_noise_where_every_request_ran_alone():
     assert path_noise([turn(0, 0, 805, 256, sample(), sample())]) is None
-
-
-@pytest.mark.parametrize(
-    ("cached", "ok"),
-    [(7296, True), (7424, False), (7168, False)],
-    ids=["rule", "one-unit-above", "one-unit-below"],
-)
-def test_a_dspark_resend_hits_exactly_the_rule(cached, ok):
-    """7449 tokens with DSpark at unit 128 under vLLM 0.32.0's rule (the
-    drafter drops a unit): 7296, as upstream's Kimi-K3 test asserts."""
-    assert expected_resend(7449, 128, True) == 7296
-    t = turn(
-        1,
-        7449,
-        7449,
-        128,
-        sample(cached=cached, prompt_len=7449),
-        sample(prompt_len=7449),
-        resend=True,
-        drops_unit=True,
-    )
-    check_turn(t, Units(block=6144, hit=128), None, drops_unit=True)
-    assert (t.problems == []) is ok
-    if not ok:
-        assert "get_mamba_prefill_checkpoint_position" in t.problems[0]
-        assert f"cached {cached} != 7296" in t.problems[0]
-
-
-def test_a_growing_turn_above_the_rule_is_a_notice():
-    t = turn(
-        1, 896, 1673, 128, sample(cached=896, prompt_len=1673), sample(prompt_len=1673)
-    )
-    check_turn(t, Units(block=128, hit=128), 0.0)
-    assert t.problems == [] and "above the expected 768" in t.notices[0]
-
-
-def mid_block_turn(hit_gap: float, control_gap: float) -> Turn:
-    """A partial hit at 272 of a block of 80 (a GPU under the derived
-    budget): its state was stored and reloaded inside a block, where its
-    recompute kept it, so it is held to the noise of cold decode-against-
-    prefill pairs (the recompute from its second token against a control)."""
-    played = turn(
-        1,
-        277,
-        1054,
-        16,
-        sample(hit_gap, cached=272, prompt_len=1054),
-        sample(prompt_len=1054),
-        mid_block=True,
-    )
-    played.control = sample(control_gap, prompt_len=1055, shift=1)
-    played.more_controls = [
-        sample(control_gap, prompt_len=1055 + i, shift=i) for i in (2, 3, 4)
-    ]
-    return played
-
-
-def test_a_mid_block_hit_is_held_to_the_measured_noise():
-    """Not bit for bit: within the case's tolerance it passes, and its
-    comparison says it used the measured noise."""
-    played = mid_block_turn(hit_gap=0.03, control_gap=0.01)
-    check_turn(played, Units(block=80, hit=16), 0.0)
-    assert played.problems == [] and played.comparisons == []
-    noise = check_paths([played], 0.0)
-    assert noise is not None and noise.floor == pytest.approx(0.01)
-    (comparison,) = played.comparisons
-    assert comparison.what == "hit vs recompute (mid-block: measured noise)"
-    assert not comparison.same_path and comparison.tolerance == noise.tolerance
-    assert played.problems == []
-
-
-def test_a_mid_block_hit_beyond_the_noise_names_the_restored_state():
-    played = mid_block_turn(hit_gap=0.2, control_gap=0.01)
-    check_turn(played, Units(block=80, hit=16), 0.0)
-    check_paths([played], 0.0)
-    (problem,) = played.problems
-    assert "restored from the prefix cache mid-block" in problem
-    assert "the restored state is wrong" in problem
-
-
-def test_a_hit_on_a_block_stays_exact_where_only_blocks_are():
-    """A hit on a block boundary is on its recompute's path: any gap fails."""
-    hit = sample(1e-3, cached=240, prompt_len=1018)
-    played = turn(1, 241, 1018, 16, hit, sample(prompt_len=1018))
-    check_turn(played, Units(block=80, hit=16), 0.0)
-    (problem,) = played.problems
-    assert "on the same path" in problem and "restored state is wrong" in problem

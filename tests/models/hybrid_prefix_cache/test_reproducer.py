@@ -15,7 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.models.hybrid_prefix_cache import harness, reproducer, tiny_hybrid
+from tests.models.hybrid_prefix_cache import harness, tiny_hybrid
+from tests.models.hybrid_prefix_cache.harness import reproducer
 
 UNIT = 16
 PREFILL_PARAMS = {"do_remote_decode": True, "remote_host": None}
@@ -327,7 +328,7 @@ def test_no_server(tmp_path):
 
 
 def test_serve_info():
-    spec = harness.ServerSpec(
+    spec = harness.servers.ServerSpec(
         name="prefill",
         model="/m",
         args=("--enable-prefix-caching",),
@@ -343,7 +344,7 @@ def test_serve_info():
         # recompute on the decoder alone are held to.
         recompute_atol=7.9e-3,
     )
-    info = reproducer.serve_info(play, 8, 5, harness.PREFILL_KV_TRANSFER_PARAMS)
+    info = reproducer.serve_info(play, 8, 5, harness.client.PREFILL_KV_TRANSFER_PARAMS)
     assert info["servers"][0] == {
         "name": "prefill",
         "args": ["--enable-prefix-caching"],
@@ -351,13 +352,15 @@ def test_serve_info():
         "side_channel_port": True,
     }
     assert (info["pd"], info["offload"], info["logprob_atol"]) == (True, False, 7.9e-3)
-    assert info["prefill_kv_transfer_params"] == harness.PREFILL_KV_TRANSFER_PARAMS
+    assert (
+        info["prefill_kv_transfer_params"] == harness.client.PREFILL_KV_TRANSFER_PARAMS
+    )
     assert info["vllm_file"].endswith("vllm/__init__.py")
     assert reproducer.serve_info(None, 8, 5, {}) is None
 
 
 def sample(tokens, cached):
-    return harness.Sample(
+    return harness.compare.Sample(
         token_ids=tokens,
         text="",
         token_logprobs=[-0.5] * len(tokens),
@@ -368,16 +371,18 @@ def sample(tokens, cached):
 
 
 def test_the_harness_writes_it_next_to_a_failing_record(tmp_path, monkeypatch):
-    monkeypatch.setenv(harness.REPORT_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(harness.servers.REPORT_DIR_ENV, str(tmp_path))
     summary: list[harness.CaseRecord] = []
     stale = tmp_path / "sweep-partial.repro.py"
     stale.write_text("stale")
-    with harness.reported_case("sweep-partial", summary) as record:
+    with harness.records.reported_case("sweep-partial", summary) as record:
         record.units = harness.Units(block=256, hit=UNIT)
     assert not stale.exists()  # the case passes now
-    with harness.reported_case("sweep-partial", summary) as rec:
+    with harness.records.reported_case("sweep-partial", summary) as rec:
         rec.units = harness.Units(block=256, hit=UNIT)
-        turn = harness.Turn("", 1, 40, 40, 32, bound=32, prompt=[5] * 40, salt="s-1")
+        turn = harness.compare.Turn(
+            "", 1, 40, 40, 32, bound=32, prompt=[5] * 40, salt="s-1"
+        )
         turn.output, turn.recompute = sample([1, 2], 0), sample([1, 2], 0)
         turn.problems.append("turn 1: cached 0 < expected checkpoint 32")
         rec.turns.append(turn)

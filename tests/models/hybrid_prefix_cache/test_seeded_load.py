@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from tests.models.hybrid_prefix_cache import seeded_load
-from tests.models.hybrid_prefix_cache.harness import layered_env
+from tests.models.hybrid_prefix_cache.harness.servers import (
+    layered_env,
+)
 from tests.models.hybrid_prefix_cache.seeded_load import hybrid_seeded_load as hsl
 from tests.models.hybrid_prefix_cache.sensitivity import (
     SENSITIVITY_FLOOR,

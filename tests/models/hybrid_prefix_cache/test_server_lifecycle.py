@@ -30,19 +30,27 @@ from tests.models.hybrid_prefix_cache.cpu_binding import (
     cpu_binding,
 )
 from tests.models.hybrid_prefix_cache.harness import (
-    FIRST_TOKENS,
     Binding,
     CaseRecord,
     Mode,
-    Server,
-    ServerError,
     ServerPool,
+    server_specs,
+)
+from tests.models.hybrid_prefix_cache.harness.cases import (
+    serve_case,
+)
+from tests.models.hybrid_prefix_cache.harness.client import (
     complete,
     max_model_len,
     read_counters,
+)
+from tests.models.hybrid_prefix_cache.harness.reconcile import (
+    FIRST_TOKENS,
+)
+from tests.models.hybrid_prefix_cache.harness.servers import (
+    Server,
+    ServerError,
     serve,
-    serve_case,
-    server_specs,
     start_servers,
 )
 from tests.models.hybrid_prefix_cache.tiny_hybrid import write_tiny_hybrid
@@ -140,7 +148,7 @@ def test_port_already_in_use(binding):
         with pytest.raises(ServerError, match=f"port {port} is already in use"):
             server = Server(spec, binding.startup_timeout, port, launched)
             try:
-                harness.wait_healthy([server])
+                harness.servers.wait_healthy([server])
             finally:
                 Server.shutdown_many([server])
     assert_no_leftovers(launched)
@@ -227,7 +235,8 @@ WAIT_FOR_CTRL_C = """
     from pathlib import Path
 
     from tests.models.hybrid_prefix_cache.cpu_binding import DEPLOYMENTS, cpu_binding
-    from tests.models.hybrid_prefix_cache.harness import Mode, serve
+    from tests.models.hybrid_prefix_cache.harness import Mode
+    from tests.models.hybrid_prefix_cache.harness.servers import serve
     from tests.models.hybrid_prefix_cache.tiny_hybrid import TinyHybrid
 
 

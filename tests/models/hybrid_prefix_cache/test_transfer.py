@@ -9,11 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from tests.models.hybrid_prefix_cache.harness.compare import (
-    Sample,
-    Turn,
-    check_paths,
-)
+from tests.models.hybrid_prefix_cache.harness.compare import Sample, Turn
+from tests.models.hybrid_prefix_cache.harness.paths import check_paths
 from tests.models.hybrid_prefix_cache.harness.transfer import (
     check_transfer,
     relay_prompt,

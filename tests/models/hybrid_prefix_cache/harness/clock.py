@@ -7,16 +7,13 @@ import contextvars
 import time
 from collections.abc import Iterator
 
-# The phases a case's wall time is split into (the rest is "other"), for its
-# record and dev/benchmark_cpu_tier.py's breakdown.
+# for the record and dev/benchmark_cpu_tier.py; the rest is "other"
 PHASES = ("start", "stop", "requests", "metrics", "reset")
 
 
 class PhaseClock:
-    """Seconds per phase of one case. Only the outermost phase counts (a
-    metrics poll that reads the counters is one "metrics" span), and threads
-    started by the case (concurrent turns) record nothing themselves: the
-    batch that runs them is timed as a whole."""
+    """Seconds per phase of one case: the outermost phase only; the case's
+    threads record nothing (their batch is timed whole)."""
 
     def __init__(self) -> None:
         self.seconds = dict.fromkeys(PHASES, 0.0)

@@ -18,18 +18,17 @@ from tests.models.hybrid_prefix_cache.harness.client import (
     send,
 )
 from tests.models.hybrid_prefix_cache.harness.clock import phase
-from tests.models.hybrid_prefix_cache.harness.compare import (
-    PathNoise,
-    Turn,
-    check_paths,
-    check_turn,
-    control_shifts,
-)
+from tests.models.hybrid_prefix_cache.harness.compare import Turn, check_turn
 from tests.models.hybrid_prefix_cache.harness.deployment import (
     Binding,
     Deployment,
     Mode,
     Units,
+)
+from tests.models.hybrid_prefix_cache.harness.paths import (
+    PathNoise,
+    check_paths,
+    control_shifts,
 )
 from tests.models.hybrid_prefix_cache.harness.reconcile import EXTERNAL_HITS
 from tests.models.hybrid_prefix_cache.harness.rules import (
@@ -51,14 +50,11 @@ from tests.models.hybrid_prefix_cache.harness.transfer import (
 
 @dataclass(frozen=True)
 class Conversation:
-    """A growing conversation: its label, the first prompt's length and
-    the seed of its random tokens."""
+    """A growing conversation: label, first prompt length, random seed."""
 
     label: str
     first_len: int
     seed: str
-    # Its growing turns, and whether an exact resend follows them
-    # (harness.plan_turns).
     num_turns: int = NUM_TURNS
     resend: bool = True
 
@@ -68,9 +64,7 @@ def reference_conversation(units: Units, seed: str) -> Conversation:
     return Conversation("", FIRST_PROMPT_BLOCKS * units.block + FIRST_PROMPT_TAIL, seed)
 
 
-# Tail-sweep shapes: the first prompt is FIRST_PROMPT_BLOCKS blocks, plus one
-# hit unit when the boundary should fall inside a block ("inblock"), plus a
-# tail past that last boundary, given as a function of the hit unit.
+# Tail-sweep shapes: (one more hit unit, inside a block; tail from the unit).
 SHAPES: dict[str, tuple[bool, Callable[[int], int]]] = {
     "exact": (False, lambda unit: 0),
     "plus1": (False, lambda unit: 1),
@@ -83,9 +77,7 @@ SHAPES: dict[str, tuple[bool, Callable[[int], int]]] = {
 
 
 def shape_length(shape: str, units: Units) -> int | None:
-    """The first prompt's length of sweep ``shape``; None when the shape
-    does not exist for this geometry (an in-block boundary when the hit
-    unit is the block)."""
+    """The first prompt's length of ``shape``; None if the geometry lacks it."""
     inblock, tail = SHAPES[shape]
     if inblock and units.hit >= units.block:
         return None
@@ -104,8 +96,7 @@ def grown_prompt(
     prompt: Sequence[int],
     output: Sequence[int],
 ) -> list[int]:
-    """A conversation's next prompt: ``prompt``, the first TURN_TOKENS
-    tokens of its ``output``, and random tokens up to TURN_TOKENS more."""
+    """``prompt``, then its ``output`` and random tokens, TURN_TOKENS in all."""
     appended = list(output[:TURN_TOKENS])
     fill = random_tokens(rng, token_ids, TURN_TOKENS - len(appended))
     return [*prompt, *appended, *fill]
@@ -114,13 +105,8 @@ def grown_prompt(
 @dataclass
 class Play:
     """What a case needs to play turns: where, what, and how to check.
-    ``logprob_atol`` holds a hit to the request on its own path (None:
-    check_logprobs_close alone); ``batched`` plays turns at once, each hit
-    then held to its recompute alone on a server that computes each request
-    as alone (:attr:`invariant`), else to its batched cold twin within the
-    case's path noise (``noise``, once measured). ``stop``, if given, ends a
-    conversation before its next turn once it holds for the turns played so
-    far."""
+    ``batched`` turns are held to their recompute alone where the server is
+    batch-invariant, else to batched twins within ``noise``."""
 
     servers: Sequence[Server]
     binding: Binding
@@ -131,25 +117,22 @@ class Play:
     batched: bool = False
     noise: PathNoise | None = None
     stop: Callable[[Sequence[Turn]], bool] | None = None
-    # The salts whose requests resumed inside a block (Turn.mid_block).
+    # salts that resumed inside a block (Turn.mid_block)
     off_block_salts: set[str] = field(default_factory=set)
 
     @property
     def drafting(self) -> Drafting:
-        """What the drafter changes on the instance that consults its prefix
-        cache (the prefiller under P/D)."""
+        """The drafter's effect where the cache is consulted (the prefiller)."""
         return self.mode.drafting(self.deployment.instances[0])
 
     @property
     def invariant(self) -> bool:
-        """Whether its turns are batched on servers that compute each request
-        as alone (Binding.batch_invariant_env; cases.run_case serves them)."""
+        """Batched on servers that compute each request as alone."""
         return self.batched and self.binding.batch_invariant_env is not None
 
     @property
     def recompute_atol(self) -> float | None:
-        """What a hit and its recompute may differ by: ``logprob_atol``
-        where both took one path, else the case's path tolerance."""
+        """``logprob_atol`` on one path, else the case's path tolerance."""
         if self.noise is None:
             return self.logprob_atol
         return self.noise.held_to(self.logprob_atol)
@@ -160,12 +143,8 @@ def fresh_salt(what: str) -> str:
 
 
 def send_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
-    """Send ``prompt`` under ``salt`` (after the offload reset, if any),
-    then its cold twin under a fresh salt, the way the hit went: under P/D
-    through the same prefiller, transfer and decoder; batched, in the same
-    wave of requests. Played alone on one server, or batched on one that
-    computes each request as alone, the recompute is the hit's same-path
-    control and no twin is sent."""
+    """Send ``prompt`` under ``salt``, then a cold twin the way the hit went
+    (P/D, or a batch), unless the recompute is already its same-path control."""
     turn.prompt, turn.salt = list(prompt), salt
     turn.batched, turn.invariant = play.batched, play.invariant
     start = time.monotonic()
@@ -175,8 +154,7 @@ def send_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
         before = read_counters(servers[0])[EXTERNAL_HITS]
     turn.output = send(servers, model, prompt, salt, turn.problems)
     if play.binding.exact_on_blocks:
-        # A state computed after a resume inside a block carries that
-        # resume's rounding into every later checkpoint of the salt.
+        # a mid-block resume's rounding carries into the salt's later states
         if turn.output.cached_tokens % play.units.block:
             play.off_block_salts.add(salt)
         turn.mid_block = salt in play.off_block_salts
@@ -196,12 +174,9 @@ def send_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
 
 
 def recompute_turn(play: Play, turn: Turn) -> None:
-    """Recompute the turn's prompt on the decoder alone under a fresh salt
-    (under P/D it computes the whole prompt itself, so a transfer that
-    corrupts the state cannot corrupt both sides alike). Under P/D of one
-    configuration where instances compute alike, send the transfer's exact
-    counterparts (harness.transfer); else, or after a resume inside a block,
-    the decode-against-prefill control. Then check the turn."""
+    """Recompute on the decoder alone (a bad transfer cannot corrupt both
+    sides), send the transfer's exact counterparts or the decode-against-prefill
+    control, then check the turn."""
     start = time.monotonic()
     decoder, model, prompt = play.servers[-1], play.binding.model, turn.prompt
     turn.recompute = complete(decoder, model, prompt, fresh_salt("recompute"))
@@ -217,11 +192,8 @@ def recompute_turn(play: Play, turn: Turn) -> None:
             play.servers[0], model, prompt, fresh_salt("prefiller")
         )
     if (len(play.servers) > 1 and not relays) or turn.mid_block:
-        # The recompute's second token came from a decode step, from a state
-        # stored after its prefill and reloaded; here its first token is
-        # part of the prompt, so the same logprob comes from the prefill
-        # path, its state kept in the kernel: the noise a P/D decoder's last
-        # token, or a hit resumed mid-block, adds.
+        # the recompute's second logprob, from the prefill path instead of a
+        # reloaded state: the noise a P/D decoder or a mid-block resume adds
         extended = [*prompt, turn.recompute.token_ids[0]]
         turn.control = complete(decoder, model, extended, fresh_salt("control"))
     turn.seconds += time.monotonic() - start
@@ -242,10 +214,8 @@ def play_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
 
 
 def measure_path_noise(play: Play, turns: Sequence[Turn]) -> None:
-    """Send the further cold controls that ``turns`` need to measure the
-    case's path noise on PATH_NOISE_MIN_PAIRS pairs (compare.control_shifts):
-    each on the decoder alone, under a fresh salt, the turn's prompt and the
-    first tokens of its recompute."""
+    """Send the further cold controls the path noise needs
+    (paths.control_shifts), each on the decoder alone."""
     decoder, model = play.servers[-1], play.binding.model
     for turn, shift in control_shifts(turns):
         assert turn.recompute is not None
@@ -258,9 +228,7 @@ def measure_path_noise(play: Play, turns: Sequence[Turn]) -> None:
 
 
 def finish_turns(play: Play, turns: Sequence[Turn]) -> None:
-    """Once every turn of a case is played: measure its path noise on
-    enough cold controls (:func:`measure_path_noise`), then hold its
-    comparisons across paths to it (compare.check_paths)."""
+    """Measure the case's path noise, then hold cross-path comparisons to it."""
     measure_path_noise(play, turns)
     play.noise = check_paths(
         turns, play.logprob_atol, play.deployment.compares_logprobs
@@ -268,8 +236,7 @@ def finish_turns(play: Play, turns: Sequence[Turn]) -> None:
 
 
 def planned_turn(play: Play, label: str, planned: PlannedTurn) -> Turn:
-    """The :class:`Turn` of ``planned`` with its expected hit and bound for
-    the case's geometry, drafter and deployment."""
+    """The :class:`Turn` of ``planned`` with its expected hit and bound."""
     backoff = play.deployment.cache_backoff
     rule = play.drafting
     expected, bound = expectation(
@@ -290,12 +257,8 @@ def planned_turn(play: Play, label: str, planned: PlannedTurn) -> Turn:
 def run_conversations(
     play: Play, conversations: Sequence[Conversation], turns: list[Turn]
 ) -> None:
-    """Play ``conversations`` (each under its own salt) turn by turn, as
-    :func:`plan_turns` lays them out, appending to ``turns``. A later turn's
-    prompt is the previous prompt, the previous output and random tokens.
-    Batched (``play.batched``), every conversation's turn is in flight at
-    once, each with its cold twin, as a busy server sees them; their
-    recomputes run alone after the wave."""
+    """Play ``conversations``, each under its own salt, turn by turn into
+    ``turns``; batched, each wave is in flight at once, recomputes after."""
     states = []
     for conv in conversations:
         rng = random.Random(conv.seed)

@@ -1,10 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The deployment model: what a tier serves (:class:`Binding`), what a case
-deploys (:class:`Deployment` of :class:`Instance`) and how prefixes are
-matched (:class:`Mode`), the ``vllm serve`` arguments of each, the checkpoint
-geometry a server reports (:class:`Units`), and the known-failure entries
-(:class:`Known`). Pure: nothing here talks to a server."""
+"""The deployment model: bindings, instances, modes, their ``vllm serve``
+arguments, reported geometry and known failures. Pure."""
 
 import json
 from collections.abc import Callable, Mapping, Sequence
@@ -19,8 +16,7 @@ from tests.models.hybrid_prefix_cache.harness.rules import PD_PREFILL_BACKOFF
 
 @dataclass(frozen=True)
 class Mode:
-    """How prefixes are matched: by block, or by a finer prefix match unit,
-    with or without speculative decoding."""
+    """By block or a finer prefix match unit, with or without a drafter."""
 
     prefix_match_unit: int | None = None
     spec: Mapping | None = field(default=None, hash=False)
@@ -34,14 +30,11 @@ class Mode:
 
     @property
     def drops_unit(self) -> bool:
-        """Whether the vLLM under test drops the trailing hit unit for this
-        drafter on an instance without a KV connector
-        (:func:`rules.drafting`)."""
+        """:func:`rules.drafting`'s drop, without a KV connector."""
         return self.drafting().drops_unit
 
     def drafting(self, instance: "Instance | None" = None) -> rules.Drafting:
-        """What this mode's drafter changes in ``instance``'s prefix cache
-        (None: one without a KV connector): :func:`rules.drafting`."""
+        """:func:`rules.drafting` for ``instance`` (None: no KV connector)."""
         if instance is None:
             return rules.drafting(self.spec)
         return rules.drafting(
@@ -51,8 +44,7 @@ class Mode:
         )
 
     def args(self, prefix_caching: bool = True) -> list[str]:
-        """The mode's ``vllm serve`` arguments; an instance without prefix
-        caching gets no prefix match unit, which it would not use."""
+        """``vllm serve`` arguments; no match unit without prefix caching."""
         args = []
         if self.prefix_match_unit is not None and prefix_caching:
             args += ["--prefix-match-unit", str(self.prefix_match_unit)]
@@ -62,10 +54,8 @@ class Mode:
 
 
 def matrix_modes(partial_unit: int, drafter: str, spec: Mapping) -> dict[str, Mode]:
-    """The four modes of every tier's matrix: by block or by
-    ``partial_unit``, each without and with the speculative config ``spec``
-    of ``drafter``; ids ``block``, ``partial``, ``block-<drafter>`` and
-    ``partial-<drafter>``."""
+    """Every tier's four modes: block or partial, each without and with
+    ``drafter``."""
     return {
         "block": Mode(),
         "partial": Mode(prefix_match_unit=partial_unit),
@@ -75,10 +65,8 @@ def matrix_modes(partial_unit: int, drafter: str, spec: Mapping) -> dict[str, Mo
 
 
 def kv_connector(name: str, extra: Mapping | None = None, **fields) -> dict:
-    """An instance's ``--kv-transfer-config``: connector ``name`` in role
-    kv_both, with top-level ``fields`` and ``kv_connector_extra_config``
-    ``extra``. Both tiers build every connector with it and the helpers
-    below; they differ only in the parameters."""
+    """A ``--kv-transfer-config``: ``name`` as kv_both, ``extra`` its extra
+    config."""
     config = {"kv_connector": name, "kv_role": "kv_both", **fields}
     if extra is not None:
         config["kv_connector_extra_config"] = dict(extra)
@@ -86,8 +74,7 @@ def kv_connector(name: str, extra: Mapping | None = None, **fields) -> dict:
 
 
 def cpu_offload(bytes_per_rank: int) -> dict:
-    """SimpleCPUOffloadConnector with ``bytes_per_rank`` of host memory per
-    rank, storing eagerly (as the Kimi-K3 recipe configures it)."""
+    """SimpleCPUOffloadConnector storing eagerly, as the Kimi-K3 recipe does."""
     extra = {"cpu_bytes_to_use_per_rank": bytes_per_rank, "lazy_offload": False}
     return kv_connector("SimpleCPUOffloadConnector", extra)
 
@@ -99,8 +86,7 @@ def multi_connector(*connectors: Mapping) -> dict:
 
 @dataclass(frozen=True)
 class Instance:
-    """One ``vllm serve`` process, the devices it owns, and its own
-    environment and extra arguments (e.g. CPU thread binding)."""
+    """One ``vllm serve`` process: its devices, environment and arguments."""
 
     tp: int = 1
     dp: int = 1
@@ -134,11 +120,8 @@ class Instance:
 
 @dataclass(frozen=True)
 class Deployment:
-    """The instances of one case: a decoder, optionally fed by a prefiller.
-
-    ``offload`` means the hit must come from the CPU offload tier: the
-    instances' GPU prefix caches are reset before every turn.
-    """
+    """A decoder, optionally fed by a prefiller. ``offload``: device caches
+    are reset before every turn, so hits come from the CPU offload tier."""
 
     decode: Instance = Instance()
     prefill: Instance | None = None
@@ -156,26 +139,20 @@ class Deployment:
 
     @property
     def cache_backoff(self) -> int:
-        """Trailing prompt tokens that the instance consulting its prefix
-        cache never sees: the P/D prefiller's (:data:`PD_PREFILL_BACKOFF`)."""
+        """Trailing tokens the cache-consulting instance never sees."""
         return 0 if self.prefill is None else PD_PREFILL_BACKOFF
 
     @property
     def same_instances(self) -> bool:
-        """Whether a P/D prefiller and decoder are one configuration, their
-        environments aside (CPU thread binding), so that one request served
-        by either is computed alike (harness.transfer)."""
+        """Whether P/D's two instances are one configuration, env aside
+        (harness.transfer)."""
         if self.prefill is None:
             return False
         return replace(self.prefill, env={}) == replace(self.decode, env={})
 
     @property
     def compares_logprobs(self) -> bool:
-        """Whether a hit's logprobs can be held to the recompute's.
-
-        Under P/D with different TP sizes, prefiller and decoder hold
-        differently sharded (and, with dummy weights, different) weights.
-        """
+        """Not under P/D with two TP sizes: the weights are sharded apart."""
         return self.prefill is None or self.prefill.tp == self.decode.tp
 
 
@@ -187,16 +164,14 @@ def _each_instance(
 
 
 def with_serve_args(deployment: Deployment, args: Sequence[str]) -> Deployment:
-    """``deployment`` with ``args`` added to the ``vllm serve`` arguments of
-    each of its instances (a workload that needs servers of its own)."""
+    """``deployment`` with ``args`` added to each instance's arguments."""
     return _each_instance(
         deployment, lambda i: replace(i, serve_args=(*i.serve_args, *args))
     )
 
 
 def with_serve_env(deployment: Deployment, env: Mapping[str, str]) -> Deployment:
-    """``deployment`` with ``env`` added to the environment of each of its
-    instances (a case that needs servers of its own)."""
+    """``deployment`` with ``env`` added to each instance's environment."""
     return _each_instance(deployment, lambda i: replace(i, env={**i.env, **env}))
 
 
@@ -211,30 +186,13 @@ def device_ranges(deployment: Deployment) -> list[range]:
 
 @dataclass(frozen=True)
 class Binding:
-    """What a tier binds the harness to.
-
-    ``token_ids`` is the half-open range random prompt ids are drawn from.
-    ``logprob_atol`` bounds the difference between the sampled tokens'
-    logprobs of a cache hit and of the cold request that took the same
-    numerical path (the recompute where both ran alone on one server, the
-    cold twin under P/D): 0.0 where one path is bit-exact, None where no
-    tolerance holds (GPUs: check_logprobs_close alone). Comparisons across
-    two paths are held to the noise each case measures on its cold controls
-    instead (compare.check_paths). ``concurrent_start`` starts a
-    deployment's instances at once instead of one after another.
-    ``exact_on_blocks``: a hit is on its recompute's path only where it
-    resumes on a block boundary (a GPU under a budget of one block); one
-    that resumes inside a block stored and reloaded its state where its
-    recompute kept it, and is held to the case's measured noise.
-    ``exact_across_instances``: two instances of one configuration compute
-    one request bit for bit alike, so that the P/D transfer is judged
-    exactly (harness.transfer); seen on CPUs, where kernels pick no
-    configuration per process (GPU kernels may autotune per process).
-    ``batch_invariant_env``: an environment under which a server computes
-    each request as it would alone, whatever shares its steps; a batched
-    case is served with it and holds each hit exactly to its recompute
-    alone. None: it holds them to batched cold twins within measured noise.
-    """
+    """What a tier binds the harness to. ``logprob_atol``: a hit against a cold
+    request on its numerical path (0.0 bit-exact; None: check_logprobs_close
+    only); cross-path comparisons take measured noise (paths.check_paths).
+    ``exact_on_blocks``: only block-boundary hits share the recompute's path.
+    ``exact_across_instances``: one config computes alike in two processes
+    (CPUs; GPU kernels may autotune per process). ``batch_invariant_env``:
+    computes each request as if alone (None: batched twins, measured noise)."""
 
     model: str
     base_args: tuple[str, ...]
@@ -242,8 +200,7 @@ class Binding:
     env: Mapping[str, str] = field(default_factory=dict, hash=False)
     startup_timeout: float = 600.0
     logprob_atol: float | None = 0.0
-    # The variable that gives a P/D instance its own devices, or None where
-    # instances share the machine (the CPU backend).
+    # gives a P/D instance its own devices; None: shared (CPU backend)
     visible_devices_env: str | None = "CUDA_VISIBLE_DEVICES"
     concurrent_start: bool = True
     exact_on_blocks: bool = False
@@ -252,9 +209,7 @@ class Binding:
 
     @property
     def chunk_invariant(self) -> bool:
-        """Whether a hit is on its recompute's path wherever it resumes: then
-        where a prefill's chunks end does not change its arithmetic, and two
-        prefill budgets compute one prompt alike."""
+        """Whether chunk ends leave a prefill's arithmetic alone, any budget."""
         return self.logprob_atol is not None and not self.exact_on_blocks
 
 
@@ -286,30 +241,11 @@ class Units:
 
 @dataclass(frozen=True)
 class Known:
-    """A cell that cannot pass, and the text its failure must contain.
-
-    ``kind`` is "xfail" for a vLLM bug (the cell runs, must fail with
-    ``evidence``, and fails loudly if it passes) or "unsupported" for a
-    feature the platform does not implement (the server must refuse with
-    ``evidence``; the cell then skips with ``reason``). ``geometry`` is the
-    (block, hit unit) its servers reported where the failure was seen, for a
-    failure that depends on it; None where it does not.
-
-    How a failure is confirmed, cheapest first: ``confirmed_by`` names the
-    one case that confirms a failure several cells share (this cell then
-    skips without a run); ``at_config`` says vLLM refuses while it builds its
-    config, so the refusal is confirmed by building the config in-process
-    from the servers' own arguments, and the servers only start if it builds.
-
-    Where the evidence arrives (:attr:`arrives`): in vLLM's refusal of the
-    config (``at_config``), in the oracle's own wording of a problem on the
-    case's record (``in_record``), or else in a crash: an exception and the
-    logs of the case's servers (harness.failure_text).
-
-    ``releases`` names the vLLM releases the failure holds for (a PEP 440
-    specifier such as "<0.34"; None: every release); under another, the
-    case is expected to pass.
-    """
+    """A cell that cannot pass and the text its failure must contain. ``kind``:
+    "xfail" (a vLLM bug; strict) or "unsupported" (the server refuses; skip).
+    ``geometry``: the (block, hit unit) it needs. ``confirmed_by``: the one case
+    confirming a shared failure. ``at_config``: refused while building the
+    config, confirmed in-process. ``releases``: PEP 440, None for all."""
 
     kind: str
     reason: str
@@ -336,8 +272,7 @@ class Known:
         return "record" if self.in_record else "crash"
 
     def holds(self, version: Version | None = None) -> bool:
-        """Whether the failure holds for ``version`` (default: the vLLM
-        under test)."""
+        """Whether it holds for ``version`` (default: the vLLM under test)."""
         return rules.holds_for(self.releases, version)
 
     def applies(self, units: "Units | None") -> bool:
@@ -349,8 +284,7 @@ class Known:
 
 
 def select_known(entries: Sequence[Known], units: "Units | None") -> Known | None:
-    """The entry of ``entries`` that applies where the case's servers
-    reported ``units`` (None: no server answered), if any."""
+    """The entry that applies at ``units`` (None: no server answered)."""
     found = [known for known in entries if known.applies(units)]
     if len(found) > 1:
         raise ValueError(f"several known failures apply at {units}: {found}")

@@ -1,12 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""A binding's matrix, built the same way for every tier (:class:`Matrix`):
-its cases (deployments x modes, and in the sweep cells the tail sweep and
-its concurrent case), its known-failure table (one entry list per case or
-cell, each with evidence), and its pytest params, marked so that tests that
-need the same servers run one after another (:func:`servers_mark`,
-:func:`group_by_servers`) and, split across parallel jobs, share a job and
-balance the jobs by cost (:func:`case_seconds`, :func:`shard_by_cost`)."""
+"""A binding's matrix (:class:`Matrix`): its cases, known failures and pytest
+params, grouped by servers and split across parallel jobs by cost."""
 
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -16,8 +11,8 @@ import pytest
 
 from tests.models.hybrid_prefix_cache.harness.cases import (
     Suite,
+    expect_known,
     run_case,
-    run_workload,
 )
 from tests.models.hybrid_prefix_cache.harness.conversation import SHAPES
 from tests.models.hybrid_prefix_cache.harness.deployment import (
@@ -28,23 +23,23 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (
     Units,
     select_known,
 )
+from tests.models.hybrid_prefix_cache.harness.known import judge_confirmed_elsewhere
 from tests.models.hybrid_prefix_cache.harness.records import CaseRecord
 from tests.models.hybrid_prefix_cache.harness.rules import NUM_TURNS
-from tests.models.hybrid_prefix_cache.harness.workloads import WORKLOADS
+from tests.models.hybrid_prefix_cache.harness.workload import (
+    InProcess,
+    Workload,
+    WorkloadRun,
+)
 
-# Tests marked with the same key need the same servers; the plugin puts
-# them next to each other so that the server pool can reuse them.
+# Tests with the same key need the same servers; the plugin runs them together.
 SERVERS_MARK = "hybrid_servers"
 # The id suffix of a sweep cell's case that plays its shapes at once.
 CONCURRENT = "concurrent"
 
 
-# What a test costs, for splitting a module's tests across parallel jobs, in
-# seconds per server process it runs through (a P/D cell runs through two),
-# from the 4xB200 measurement that .buildkite/test_areas/models_basic.yaml
-# states: a server start of 70-90 s, a played turn with its recompute of
-# (5136 s - 32 starts x 80 s) / (32 cases x 3 turns) = 27 s, and the settling
-# of the counters at the end of a case of up to 15 s.
+# Seconds per server process a test runs through, for sharding; from a 4xB200
+# run: findings/b200-case-costs.md.
 START_SECONDS = 80
 TURN_SECONDS = 27
 SETTLE_SECONDS = 15
@@ -53,20 +48,17 @@ CASE_TURNS = NUM_TURNS + 1
 
 
 def case_seconds(servers: int, turns: int, start: bool = True) -> int:
-    """The cost of a test that plays ``turns`` turns through ``servers``
-    server processes, starting them (``start``) or reusing those of the test
-    before it."""
+    """The cost of ``turns`` turns through ``servers`` server processes, started
+    (``start``) or reused from the test before."""
     per_server = turns * TURN_SECONDS + SETTLE_SECONDS
     return servers * (per_server + (START_SECONDS if start else 0))
 
 
 def servers_mark(key: str, seconds: int | None = None) -> pytest.MarkDecorator:
-    """Tests marked with the same ``key`` need the same servers; ``seconds``
-    is a test's cost (:func:`case_seconds`), which :func:`shard_by_cost`
-    needs of every test it splits."""
-    # The Kimi-K3 module makes its marks as it is imported, which is before
-    # pytest reads its pytest_plugins and so before the plugin registers the
-    # marker: no warning that it is unknown.
+    """Tests marked with the same ``key`` need the same servers; ``seconds`` is
+    a test's cost (:func:`case_seconds`) for :func:`shard_by_cost`."""
+    # Kimi-K3's module makes its marks on import, before the plugin registers
+    # the marker: no unknown-mark warning.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
         mark = getattr(pytest.mark, SERVERS_MARK)
@@ -74,8 +66,7 @@ def servers_mark(key: str, seconds: int | None = None) -> pytest.MarkDecorator:
 
 
 def group_by_servers(items: list) -> None:
-    """Reorder ``items`` in place so that those marked with the same
-    servers key run one after another, where the first of them was."""
+    """Reorder ``items`` in place: the same servers key runs together, first-come."""
 
     def key(item) -> str | None:
         mark = item.get_closest_marker(SERVERS_MARK)
@@ -97,13 +88,9 @@ def group_by_servers(items: list) -> None:
 
 
 def shard_by_cost(items: list, shard: int, shards: int) -> list | None:
-    """The items of job ``shard`` of ``shards`` (in their order), or None
-    when an item carries no cost (see :func:`servers_mark`).
-
-    Tests that need the same servers stay in one job (a split would start
-    those servers again in another); whole groups go, most costly first, to
-    the job with the least cost so far (ties: the lower job, so that every
-    job computes the same split)."""
+    """The items of job ``shard`` of ``shards`` in order, or None if one has no
+    cost. Whole servers groups go, most costly first, to the least loaded job
+    (ties: the lower), so that every job computes the same split."""
     groups: dict[str, list] = {}
     for index, item in enumerate(items):
         mark = item.get_closest_marker(SERVERS_MARK)
@@ -131,19 +118,18 @@ class Case:
     mode: str
     shape: str | None = None  # a sweep shape, or None for the reference
     concurrent: bool = False  # every shape of the cell at once
-    workload: str | None = None  # a workload of harness.WORKLOADS
-    # Its conversation's growing turns, and whether a resend follows them
-    # (plan_turns).
+    workload: str | None = None  # a workload of the matrix's catalog
+    # Its growing turns, and whether a resend follows them (plan_turns).
     num_turns: int = NUM_TURNS
     resend: bool = True
+    # Its workload's own request count (Workload.turns), and servers.
+    fixed_turns: int | None = None
+    own_servers: bool = False
 
     @property
     def turns(self) -> int:
-        """The requests it plays with their recomputes: its growing turns,
-        and the resend if it has one, or its workload's own count."""
-        if self.workload is not None and WORKLOADS[self.workload].turns:
-            return WORKLOADS[self.workload].turns
-        return self.num_turns + self.resend
+        """The requests it plays with their recomputes."""
+        return self.fixed_turns or self.num_turns + self.resend
 
     @property
     def cell(self) -> str:
@@ -158,20 +144,11 @@ class Case:
 
 @dataclass(frozen=True)
 class Matrix:
-    """A binding's matrix: its literal ``deployments`` and ``modes`` dicts,
-    its known failures (``known``, by case id or by cell; a case without
-    entries of its own takes its cell's), the ``sweep`` cells that also
-    run every sweep shape alone and all of them at once, and the cells that
-    also run each workload (``workloads``: a workload of harness.WORKLOADS
-    to its cells), on the cell's servers, or after the cell's other cases on
-    servers of their own where the workload needs them
-    (``Workload.own_servers``, :meth:`servers_key`); a workload played as a
-    conversation plays ``workload_turns`` growing turns and no resend where
-    given (fewer than a cell's, to cost less than the servers' start).
-
-    Every known entry must name a case (checked at construction); a test
-    passes :meth:`known_for` to ``run_case``, so a listed case must fail
-    with the entry's evidence, and a fix shows as a strict XPASS.
+    """A binding's matrix: ``deployments`` x ``modes``, its ``known`` failures by
+    case id or cell (each must name a case; a case without its own takes its
+    cell's), the ``sweep`` cells (every sweep shape alone and at once), and the
+    cells of each of ``workloads``, on the cell's servers or on their own
+    (``Workload.own_servers``), with ``workload_turns`` turns and no resend.
     """
 
     deployments: Mapping[str, Deployment]
@@ -180,12 +157,16 @@ class Matrix:
     sweep: tuple[str, ...] = ()
     workloads: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     workload_turns: Mapping[str, int] = field(default_factory=dict)
-    # Whether a concurrent case starts servers of its own (its binding's
-    # batch_invariant_env).
+    # Every workload a matrix may name, by name (the workloads package).
+    catalog: Mapping[str, Workload] = field(default_factory=dict)
+    # Whether a concurrent case has servers of its own (batch_invariant_env).
     batch_servers: bool = False
     cases: dict[str, Case] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        missing = sorted(set(self.workloads) - set(self.catalog))
+        if missing:
+            raise ValueError(f"workloads not in the catalog: {missing}")
         object.__setattr__(self, "cases", self._build())
         unknown = sorted(set(self.known) - set(self.cases))
         if unknown:
@@ -200,15 +181,21 @@ class Matrix:
             raise ValueError("workload_turns names a workload the matrix does not run")
 
     def _workload_cases(self, cell: Case, own_servers: bool) -> list[Case]:
-        """The workload cases of ``cell`` that run on its servers, or
-        (``own_servers``) on servers of their own."""
+        """The workload cases of ``cell`` on its servers, or on their own."""
         cases = []
         for workload, cells in self.workloads.items():
             if cell.cell not in cells:
                 continue
-            if WORKLOADS[workload].own_servers != own_servers:
+            spec = self.catalog[workload]
+            if spec.own_servers != own_servers:
                 continue
-            case = Case(cell.deployment, cell.mode, workload=workload)
+            case = Case(
+                cell.deployment,
+                cell.mode,
+                workload=workload,
+                fixed_turns=spec.turns,
+                own_servers=spec.own_servers,
+            )
             turns = self.workload_turns.get(workload)
             if turns is not None:
                 case = replace(case, num_turns=turns, resend=False)
@@ -216,9 +203,8 @@ class Matrix:
         return cases
 
     def _build(self) -> dict[str, Case]:
-        """Every case, in an order that lets consecutive cases share their
-        servers: each cell, its workloads and its sweep, then the workloads
-        that start servers of their own."""
+        """Every case, ordered so consecutive ones share servers: each cell, its
+        workloads and sweep, then the workloads with servers of their own."""
         cases = {}
         for deployment in self.deployments:
             for mode_name, mode in self.modes.items():
@@ -226,8 +212,7 @@ class Matrix:
                 cell_cases = [cell, *self._workload_cases(cell, False)]
                 if cell.cell in self.sweep:
                     for shape, (inblock, _) in SHAPES.items():
-                        # A boundary inside a block needs a unit below the
-                        # block.
+                        # A boundary inside a block needs a unit below it.
                         if not inblock or mode.prefix_match_unit is not None:
                             cell_cases.append(Case(deployment, mode_name, shape))
                     cell_cases.append(Case(deployment, mode_name, concurrent=True))
@@ -236,10 +221,9 @@ class Matrix:
         return cases
 
     def servers_key(self, case_id: str) -> str:
-        """What the case's servers are known by: its cell's, or its own for
-        a workload, or a concurrent case, that starts servers of its own."""
+        """Its servers' key: its cell's, or its own where it starts its own."""
         case = self.cases[case_id]
-        if case.workload is not None and WORKLOADS[case.workload].own_servers:
+        if case.own_servers:
             return case.case_id
         if case.concurrent and self.batch_servers:
             return case.case_id
@@ -250,8 +234,7 @@ class Matrix:
         return self.deployments[case.deployment], self.modes[case.mode]
 
     def known_for(self, case_id: str) -> tuple[Known, ...]:
-        """The known failures of a case that hold for the vLLM under test:
-        its own, or its cell's."""
+        """The known failures of a case (its own, or its cell's) that hold here."""
         case = self.cases[case_id]
         entries = self.known.get(case_id, self.known.get(case.cell, ()))
         return tuple(known for known in entries if known.holds())
@@ -263,35 +246,53 @@ class Matrix:
         binding: Binding,
         deployment: Deployment,
         mode: Mode,
+        in_process: InProcess | None = None,
     ) -> CaseRecord:
-        """``case_id`` played on ``suite``'s servers as ``deployment`` in
-        ``mode`` (as served: the matrix's own, or a binding's variant of
-        them), held to its known failures: its cell's conversation
-        (run_case), or its workload (run_workload) with the turns the matrix
-        gives it."""
+        """``case_id`` played on ``suite``'s servers as served, held to its known
+        failures: its cell's conversation or its workload's play."""
         __tracebackhide__ = True
         case, known = self.cases[case_id], self.known_for(case_id)
+        judge_confirmed_elsewhere(known)
         if case.workload is None:
-            return run_case(suite, case_id, binding, deployment, mode, known=known)
-        return run_workload(
+            shapes: tuple[str, ...] = (case.shape,) if case.shape else ()
+            if case.concurrent:
+                units = None if in_process is None else in_process.units(mode)
+                shapes = self.concurrent_shapes(case_id, units)
+                if not shapes:
+                    pytest.skip(
+                        f"every sweep shape of {case.cell} fails alone at {units}"
+                    )
+            return run_case(
+                suite,
+                case_id,
+                binding,
+                deployment,
+                mode,
+                shapes=shapes,
+                concurrent=case.concurrent,
+                known=known,
+            )
+        workload = self.catalog[case.workload]
+        assert workload.play is not None, f"{workload.name} has no real-server play"
+        run = WorkloadRun(
             suite,
             case_id,
             binding,
             deployment,
             mode,
-            case.workload,
             known,
-            num_turns=case.num_turns,
-            resend=case.resend,
+            case.num_turns,
+            case.resend,
+            in_process,
         )
+        with expect_known(case_id, known) as judged:
+            judged.record = workload.play(run)
+        return judged.record
 
     def concurrent_shapes(self, case_id: str, units: Units | None) -> tuple[str, ...]:
-        """The sweep shapes a concurrent case plays at once where its
-        servers resolve to ``units``: those of its cell that pass alone
-        there. A shape that fails alone is left out, not expected to fail:
-        in a batch, whether it fails depends on how the batch happens to
-        split the prefills, and its own case already holds it to its
-        evidence."""
+        """The shapes of its cell that pass alone at ``units``, played at once. One
+        that fails alone is left out, not expected to fail: in a batch that
+        depends on how the prefills split, and its own case holds it."""
         case = self.cases[case_id]
         if not case.concurrent:
             return ()
@@ -314,9 +315,8 @@ class Matrix:
         params = []
         for case_id, case in self.cases.items():
             deployment = self.deployments[case.deployment]
-            # The cell's first case starts its servers, and its sweep and
-            # workloads reuse them; a workload with servers of its own
-            # starts those.
+            # The cell's first case starts its servers and the rest reuse them,
+            # except a workload with servers of its own.
             key = self.servers_key(case_id)
             start = case.case_id in (case.cell, key)
             seconds = case_seconds(len(deployment.instances), case.turns, start)

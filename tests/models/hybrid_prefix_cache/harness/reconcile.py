@@ -1,10 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The counter rule: what a server's prefix-cache and request counters must
-have moved by, given the usage its completions reported (:class:`Ledger`,
-:func:`counter_problems`) and the route every request takes
-(:func:`expected_requests`). Pure: the client reads ``/metrics`` and hands
-the deltas here."""
+have moved by, given its completions' usage and routes. Pure."""
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -30,25 +27,20 @@ NIXL_TRANSFERS = "vllm:nixl_xfer_time_seconds_count"
 NIXL_BYTES = "vllm:nixl_bytes_transferred_sum"
 SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
 REQUESTS_DONE = "vllm:request_success_total"
-# Requests that produced their first token (v1/metrics/loggers.py
-# PrometheusStatLogger: one observation per IterationStats.
-# time_to_first_tokens_iter entry, appended when a prefill's first token is
-# sampled, v1/metrics/stats.py IterationStats.update_from_output).
+# One per first token sampled (v1/metrics/stats.py update_from_output).
 FIRST_TOKENS = "vllm:time_to_first_token_seconds_count"
 
 
 @dataclass(frozen=True)
 class Ledger:
-    """What a server's prefix-cache counters must have moved by, summed
-    over the completions it answered (see :func:`ledger_entry`)."""
+    """What a server's counters must have moved by (:func:`ledger_entry`)."""
 
     requests: int = 0
     prompt_tokens: int = 0  # as usage reported them
     cached_tokens: int = 0  # as usage reported them
     queries: int = 0  # the prompt tokens the engine's scheduler saw
     held: int = 0  # of those, the tokens it did not compute (local + external)
-    # The prompt tokens its KV connector's lookup saw (where they differ from
-    # ``queries``: a P/D prefill leg on 0.26, rules.pd_lookup_backoff).
+    # what its KV connector's lookup saw (rules.pd_lookup_backoff)
     connector_queries: int = 0
 
     def __add__(self, other: "Ledger") -> "Ledger":
@@ -65,27 +57,10 @@ class Ledger:
 def ledger_entry(
     prompt_tokens: int, cached_tokens: int, kv_transfer_params: Mapping | None
 ) -> Ledger:
-    """One completion's share of its server's counters, by its role.
-
-    vLLM counts a request once, when it is admitted with a prefix-cache
-    lookup (v1/core/sched/scheduler.py, Scheduler.schedule): the local
-    counters take its tokens and local hit (KVCacheManager.
-    record_prefix_cache_stats), the external ones, on a server with a KV
-    connector, its tokens less the local hit and the connector's hit.
-    Usage's cached_tokens is the local plus the external hit (v1/metrics/
-    stats.py, PrefillStats.set), except on a P/D decoder, where it is the
-    prefiller's hit that the transfer carried (remote_prefill_cached_tokens,
-    v1/engine/output_processor.py). So:
-
-    * an ordinary request (also a P/D recompute on the decoder alone): the
-      engine saw the prompt, and held the cached tokens;
-    * a P/D prefill leg: the engine saw the prompt less what its lookup does
-      not see (rules.pd_lookup_backoff), its connector the prompt less
-      PD_PREFILL_BACKOFF (0.26 truncates the request in between), and it
-      held the cached tokens;
-    * a P/D decode leg: the engine saw the whole prompt, and held all but
-      the PD_PREFILL_BACKOFF tokens (its own hit plus what NIXL loaded).
-    """
+    """One completion's share of its server's counters, by role. Counted once
+    at admission (v1/core/sched/scheduler.py Scheduler.schedule,
+    KVCacheManager.record_prefix_cache_stats); a prefill leg's lookup misses
+    the backoff, a decode leg holds all but it."""
     params = kv_transfer_params or {}
     queries, held, connector = prompt_tokens, cached_tokens, prompt_tokens
     if params.get("do_remote_decode"):
@@ -97,52 +72,25 @@ def ledger_entry(
 
 
 def aborted_entry(prompt_tokens: int) -> Ledger:
-    """The share of its server's counters of a cold request that its client
-    aborted once the scheduler had admitted it: its prompt was looked up and
-    counted then (Scheduler.schedule, KVCacheManager.
-    record_prefix_cache_stats), with nothing held, but it answered no
-    completion, and vLLM counts no success for it
-    (v1/engine/output_processor.py OutputProcessor.abort_requests drops the
-    request's state without the finished-request stats that request_success
-    counts)."""
+    """An admitted cold request, then aborted: looked up and counted, but no
+    success (v1/engine/output_processor.py OutputProcessor.abort_requests)."""
     return Ledger(queries=prompt_tokens, connector_queries=prompt_tokens)
 
 
 def decoder_pulls(prompt_len: int, local_hit: float) -> float:
-    """The tokens a P/D decoder pulls from its prefiller: the prompt less
-    PD_PREFILL_BACKOFF (which it computes itself) less its own hit
-    (distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py
-    NixlPullScheduler.get_num_new_matched_tokens, with base_scheduler.py
-    _get_remote_prefill_token_count); nothing if that is not positive."""
+    """Tokens a P/D decoder pulls: the prompt less the backoff and its own hit
+    (nixl/pull_scheduler.py NixlPullScheduler.get_num_new_matched_tokens)."""
     return max(prompt_len - PD_PREFILL_BACKOFF - local_hit, 0)
 
 
 def decoder_resend_hit(
     prompt_len: int, units: Units, mode: Mode, deployment: Deployment
 ) -> int:
-    """What a P/D resend's decoder hits in its own cache, from what its
-    decode leg of the same prompt and salt cached:
-
-    * once the KV of the prompt less PD_PREFILL_BACKOFF arrived, the whole
-      blocks of it, so states at block ends only (v1/core/sched/scheduler.py
-      Scheduler._update_waiting_for_remote_kv caches up to the loaded
-      tokens; v1/core/single_type_kv_cache_manager.py
-      SingleTypeKVCacheManager.cache_blocks caches only full blocks, and
-      MambaManager._cache_partial_tail_block a state inside a block only
-      where a chunk the instance computed itself ended);
-    * nothing deeper from the backoff tokens it computes itself: they end at
-      the prompt's end, past its checkpoint.
-
-    Its lookup resumes at a state no deeper than the resent prompt's own
-    checkpoint (rules.expected_resend, of the whole prompt, which it sees;
-    with a drafter that drops a unit, the unit past the state is its proof):
-    the last block end within both. A decoder that hashed nothing would hit
-    0 (vLLM #42547). It hits nothing where it keeps no prefix cache
-    (Instance.prefix_caching) or where its device cache is reset before
-    every turn (Deployment.offload); it then pulls what it needs over NIXL,
-    the first connector of its MultiConnector to match tokens
-    (kv_connector/v1/multi_connector.py
-    MultiConnector.get_num_new_matched_tokens)."""
+    """A P/D resend's decoder hit: the last block end within the loaded KV
+    and the resend's checkpoint. Loaded KV is cached in full blocks only
+    (v1/core/sched/scheduler.py _update_waiting_for_remote_kv,
+    single_type_kv_cache_manager.py cache_blocks); none without a prefix cache
+    or with offload (vLLM #42547 is a decoder that hashed nothing)."""
     if not deployment.decode.prefix_caching or deployment.offload:
         return 0
     loaded = prompt_len - PD_PREFILL_BACKOFF
@@ -155,15 +103,8 @@ def decoder_resend_hit(
 def decoder_problems(
     prompt_len: int, local_hit: float, transfers: float, prefiller_hit: int
 ) -> list[str]:
-    """Every way a P/D decoder's counters for one decode leg break the rule
-    of its role, given its own prefix-cache hit (``local_hit``, its
-    prefix_cache_hits delta) and its NIXL transfers (``transfers``):
-
-    * it pulls from the prefiller what its own cache does not hold
-      (:func:`decoder_pulls`): one transfer if that is anything, none if
-      its own cache holds all of it;
-    * its own hit lies within what it loads: it never exceeds that prompt.
-    """
+    """How a decode leg breaks its role: one NIXL transfer iff it pulls
+    anything (:func:`decoder_pulls`), and its own hit within what it loads."""
     pulled = prompt_len - PD_PREFILL_BACKOFF
     problems = []
     if local_hit > pulled:
@@ -191,18 +132,9 @@ def counter_problems(
     prefix_caching: bool,
     connector: bool,
 ) -> list[str]:
-    """Every way one server's counter deltas ``moved`` disagree with the
-    ``ledger`` of the completions it answered (see :func:`ledger_entry`):
-
-    * ``prefix_cache_queries`` moved by the tokens its engine saw (by none
-      without prefix caching: KVCacheManager.record_prefix_cache_stats skips
-      a request whose lookup is disabled);
-    * ``prefix_cache_hits`` plus ``external_prefix_cache_hits`` moved by the
-      tokens it held: usage counts a connector's hit (an offload tier, a
-      store, a NIXL transfer) where only the external counter does;
-    * with a KV connector, ``external_prefix_cache_queries`` moved by the
-      tokens seen less the local hits.
-    """
+    """How a server's deltas ``moved`` disagree with its ``ledger``: queries
+    (none without prefix caching: record_prefix_cache_stats skips them), local
+    plus external hits against held, external queries against seen less hits."""
 
     def value(key: str) -> float:
         return moved.get(key) or 0.0
@@ -239,12 +171,8 @@ def _delta(after: float | None, before: float | None) -> float | None:
 
 
 def expected_requests(num_servers: int, turns: Sequence["Turn"]) -> list[int]:
-    """How many completions each server of a case must have finished: every
-    turn's request, and under P/D its cold twin and its transfer relay, goes
-    through the deployment (a prefill leg on the prefiller, a decode leg on
-    the decoder); its recompute and its controls go to the decoder alone,
-    which computes the whole prompt itself, and its prompt served whole to
-    the prefiller alone."""
+    """Completions each server must finish: turns, twins and relays through
+    the deployment; recomputes and controls on the decoder alone."""
     through = sum(
         1 + (turn.twin is not None) + (turn.relay is not None) for turn in turns
     )
@@ -263,8 +191,7 @@ def expected_requests(num_servers: int, turns: Sequence["Turn"]) -> list[int]:
 def counter_deltas(
     now: Mapping[str, float | None], before: Mapping[str, float | None]
 ) -> dict[str, float | None]:
-    """How far each counter moved from ``before`` to ``now`` (None for a
-    counter the server does not export)."""
+    """Each counter's move (None where not exported)."""
     return {key: _delta(now[key], before[key]) for key in now}
 
 
@@ -277,11 +204,8 @@ def server_problems(
     connector: bool,
     route: int | None,
 ) -> list[str]:
-    """Every way one server's counter deltas ``moved`` disagree with what its
-    completions reported (:func:`counter_problems`) or with ``route``, the
-    completions it must have answered (:func:`expected_requests`; None for a
-    server the harness did not start, held to vLLM's own request_success
-    count instead)."""
+    """:func:`counter_problems` plus the completions count against ``route``
+    (None: a server not started here, held to request_success instead)."""
     found = counter_problems(
         name, moved, ledger, prefix_caching=prefix_caching, connector=connector
     )
@@ -301,8 +225,7 @@ def server_problems(
 
 
 def server_deltas(ledger: Ledger, moved: Mapping[str, float | None]) -> dict:
-    """One server's entry of a case's metrics deltas: its completions'
-    ledger beside its counters' deltas."""
+    """One server's ledger beside its counters' deltas."""
     return {
         "requests": ledger.requests,
         "usage_prompt_tokens": ledger.prompt_tokens,
@@ -314,8 +237,7 @@ def server_deltas(ledger: Ledger, moved: Mapping[str, float | None]) -> dict:
 
 
 def drafter_problems(mode: Mode, drafts: float) -> list[str]:
-    """A speculative mode whose servers drafted nothing (``drafts``, their
-    SPEC_DRAFTS deltas summed) would pass vacuously."""
+    """A speculative mode that drafted nothing would pass vacuously."""
     if mode.spec is not None and drafts <= 0:
         return [
             f"speculative mode, but {SPEC_DRAFTS} did not grow: the drafter "

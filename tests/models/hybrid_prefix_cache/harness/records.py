@@ -21,15 +21,18 @@ from tests.models.hybrid_prefix_cache.harness.clock import CLOCK, PhaseClock
 from tests.models.hybrid_prefix_cache.harness.compare import (
     NUM_LOGPROBS,
     Comparison,
-    PathNoise,
     Sample,
     Turn,
     first_divergence,
 )
 from tests.models.hybrid_prefix_cache.harness.conversation import Play
 from tests.models.hybrid_prefix_cache.harness.deployment import Units
+from tests.models.hybrid_prefix_cache.harness.paths import PathNoise
+from tests.models.hybrid_prefix_cache.harness.reproducer import (
+    serve_info,
+    update_reproducer,
+)
 from tests.models.hybrid_prefix_cache.harness.servers import report_folder
-from tests.models.hybrid_prefix_cache.reproducer import serve_info, update_reproducer
 
 
 def _gap(comparison: Comparison | None) -> str:

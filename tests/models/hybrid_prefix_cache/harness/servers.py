@@ -1,12 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Server lifecycle: one ``vllm serve`` process with its log
-(:class:`Server`), the servers of a deployment (:func:`server_specs`,
-:func:`start_servers`, :func:`serve`), their reuse across cases
-(:class:`ServerPool`), and the report folder their logs go to. No state is
-global: a pool belongs to whoever made it (the plugin's session fixture, a
-benchmark, a test), and so does the ``launched`` list a caller passes to see
-every server started on its behalf."""
+"""Server lifecycle: ``vllm serve`` processes with their logs, a deployment's
+servers, their reuse across cases (:class:`ServerPool`). No global state."""
 
 import contextlib
 import os
@@ -39,8 +34,7 @@ try:
 except ImportError:  # a release whose tests/utils.py has none (0.26)
 
     def _redact_sensitive_cli_args(args):
-        """``args`` with the value of every flag that names a key, token or
-        secret shown as ***."""
+        """``args`` with secret-named flags' values shown as ***."""
         secret = ("key", "token", "secret", "password")
         shown, hide = [], False
         for arg in args:
@@ -57,11 +51,9 @@ except ImportError:  # a release whose tests/utils.py has none (0.26)
 
 HEALTH_POLL_INTERVAL = 0.5
 LOG_TAIL_LINES = 60
-# Environment of every instance of a P/D deployment: hybrid models transfer
-# their conv state in the DS layout.
+# hybrid models transfer their conv state in the DS layout
 PD_ENV = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
-# Where every case writes its JSON record. The folder is here, with the
-# servers, because every server writes its log into it (log_folder).
+# where records and server logs go
 REPORT_DIR_ENV = "HYBRID_PC_REPORT_DIR"
 
 
@@ -83,8 +75,7 @@ class ServerError(AssertionError):
 
 @dataclass(frozen=True)
 class ServerSpec:
-    """Everything that makes one ``vllm serve`` process what it is. Two
-    equal specs serve the same thing; that is what server reuse keys on."""
+    """What makes one ``vllm serve`` process; server reuse keys on it."""
 
     name: str
     model: str
@@ -92,17 +83,13 @@ class ServerSpec:
     env: tuple[tuple[str, str], ...]
     # A NIXL instance needs its own side-channel port, drawn at start.
     side_channel_port: bool = False
-    # What the counter rule (counter_problems) needs to know of the server.
     prefix_caching: bool = True
     connector: bool = False
 
 
 def internal_port_base() -> int:
-    """A free port below the system's ephemeral range, from which the
-    server's vLLM takes the ports of its own processes (VLLM_PORT,
-    utils/network_utils.py): a port vLLM drew from the ephemeral range
-    could be taken by any connection opened before it binds it, which
-    servers started side by side did (EADDRINUSE)."""
+    """A free VLLM_PORT below the ephemeral range: one drawn from it could be
+    taken before vLLM binds it (EADDRINUSE with servers side by side)."""
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
@@ -146,10 +133,8 @@ def server_specs(
 
 
 def layered_env(inherited: Mapping[str, str], own: Mapping[str, str]) -> dict[str, str]:
-    """A server's environment: ``own`` (its spec's) laid over ``inherited``
-    (the test process's), except that ``own``'s PYTHONPATH goes first on the
-    inherited one (which may hold the vLLM under test) instead of replacing
-    it."""
+    """``own`` over ``inherited``; PYTHONPATH is prepended, not replaced (the
+    inherited one may hold the vLLM under test)."""
     env = {**inherited, **own}
     paths = [own.get("PYTHONPATH"), inherited.get("PYTHONPATH")]
     if own.get("PYTHONPATH"):
@@ -164,11 +149,8 @@ def log_folder() -> Path:
 
 
 class Server(RemoteOpenAIServer):
-    """``vllm serve`` with its output in a log file (echoed to stdout, each
-    line prefixed with the server's name), a health wait that the caller
-    runs (so several servers can start at once), and a ledger of the usage
-    its completions reported. Once its process exists, the server is
-    appended to ``launched`` (if given), for leak checks."""
+    """``vllm serve`` logged to a file, health-waited by the caller (so several
+    start at once), appended to ``launched`` for leak checks."""
 
     def __init__(
         self,
@@ -247,8 +229,7 @@ class Server(RemoteOpenAIServer):
         self.health_url = url
 
     def pids(self) -> list[int]:
-        """The live processes of this server's process group (remembered in
-        ``seen_pids``)."""
+        """Live processes of the server's group (kept in ``seen_pids``)."""
         pids = self._find_pgid_members(self.proc.pid)
         self.seen_pids.update(pids)
         return pids
@@ -293,8 +274,7 @@ def _healthy(server: Server) -> bool:
 
 
 def wait_healthy(servers: Sequence[Server]) -> None:
-    """Wait until every server answers /health; raise, quoting the log of
-    the first that exits or outlasts its startup timeout."""
+    """Wait for /health on every server; raise with the failing one's log."""
     pending = [server for server in servers if server.startup_seconds is None]
     while pending:
         for server in list(pending):
@@ -320,9 +300,7 @@ def start_servers(
     concurrent: bool,
     launched: list[Server] | None = None,
 ) -> list[Server]:
-    """Start ``specs`` (at once, or each after the previous is healthy) and
-    wait until all are healthy. If any fails, every server started so far is
-    stopped before the error propagates."""
+    """Start ``specs`` and wait until healthy; on failure stop all started."""
     servers: list[Server] = []
     try:
         for spec in specs:
@@ -343,8 +321,7 @@ def serve(
     mode: Mode,
     launched: list[Server] | None = None,
 ) -> Iterator[list[Server]]:
-    """Serve every instance of ``deployment`` (prefiller first); shut them
-    down together however the block ends."""
+    """Serve ``deployment``'s instances, prefiller first, for the block."""
     servers = start_servers(
         server_specs(binding, deployment, mode),
         binding.startup_timeout,
@@ -358,13 +335,8 @@ def serve(
 
 
 class ServerPool:
-    """Keeps the servers of the last deployment running for the next case
-    that needs exactly the same ones (same model, arguments, environment).
-
-    At most one deployment runs at a time; asking for another stops it. Its
-    owner closes it (the plugin's session fixture does, at the end of the
-    session); ``launched`` lists every server it ever started.
-    """
+    """Keeps the last deployment's servers for a next case needing the same;
+    one deployment at a time. ``launched``: every server it started."""
 
     def __init__(self) -> None:
         self._specs: tuple[ServerSpec, ...] | None = None

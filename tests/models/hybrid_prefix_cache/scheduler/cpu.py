@@ -46,13 +46,9 @@ def engine_args(model: str, args: Sequence[str]) -> EngineArgs:
 
 
 class StandInAttention(AttentionLayerBase):
-    """An attention layer of the loaded model, as far as the platform's
-    block-size hook and the worker's spec collection can tell: its backend
-    (the one ``get_attn_backend`` selects, as ``Attention.__init__`` selects
-    it) and its KV cache spec, which reads the block size when it is asked
-    for, after the hook, as ``Attention.get_kv_cache_spec`` does (a full
-    attention spec of the model's KV heads, head size and dtype, which is
-    what a decoder layer without sliding window or KV quantization gives)."""
+    """An attention layer as the block-size hook and spec collection see it:
+    its backend (as ``Attention.__init__`` selects it) and a full-attention
+    spec read after the hook, as ``Attention.get_kv_cache_spec`` does."""
 
     def __init__(self, backend: type[AttentionBackend]) -> None:
         self.backend = backend
@@ -73,28 +69,10 @@ class StandInAttention(AttentionLayerBase):
 def cpu_engine(
     model: str, args: Sequence[str], env: Mapping[str, str] | None = None
 ) -> Engine:
-    """The scheduler-side objects of ``vllm serve model *args`` on this (CPU)
-    platform.
-
-    The config is what the API server resolves. The block sizes are then
-    set by the hook the executor calls once the model is loaded,
-    ``current_platform.update_block_size_for_backend``
-    (v1/executor/uniproc_executor.py UniProcExecutor._init_executor,
-    v1/executor/multiproc_executor.py WorkerProc.__init__), over the
-    attention layers that the
-    loaded model registers in ``compilation_config.static_forward_context``
-    (stood in for by :class:`StandInAttention`). On CPU
-    (``platforms/cpu.py`` CpuPlatform.update_block_size_for_backend) the
-    hook aligns a hybrid model's attention page with its Mamba page, and
-    from 0.33.0 on it also picks the block size the attention backends
-    prefer where ``--block-size`` is not given (0.32.0 set 128 in
-    CpuPlatform.check_and_update_config, while the config was built).
-    Every layer's KV cache spec is the one the worker collects
-    (``GPUModelRunner.get_kv_cache_spec``: the attention layer's spec
-    through ``customize_attention_spec``, and the Mamba spec of
-    ``MambaBase.get_kv_cache_spec``). Memory for the KV cache is
-    ``--kv-cache-memory-bytes``, as the CPU worker takes it.
-    """
+    """The scheduler-side objects of ``vllm serve model *args`` on CPU. Block
+    sizes come from the hook the executor calls after loading
+    (platforms/cpu.py CpuPlatform.update_block_size_for_backend); layer specs
+    as GPUModelRunner.get_kv_cache_spec collects them."""
     with environment(env or {}):
         vllm_config = build_config(engine_args(model, args))
         model_config = vllm_config.model_config
@@ -107,14 +85,8 @@ def cpu_engine(
                 model_config.dtype,
                 cache_config.cache_dtype,
             )
-            # Only the attention layers: the hook reads their backends
-            # (Platform._find_non_ssm_backends). The Mamba layers that
-            # 0.33.0's hook also reads in align mode
-            # (model_executor/layers/mamba/abstract.py,
-            # get_mamba_prefill_checkpoint_alignment) export
-            # no prefill checkpoint here: Qwen3-Next's GDN exports one only
-            # with FlashInfer's prefill, on CUDA (qwen_gdn_linear_attn.py
-            # _resolve_gdn_prefill_backend), and no such layer reads alike.
+            # Attention only (Platform._find_non_ssm_backends): CPU Mamba
+            # layers export no get_mamba_prefill_checkpoint_alignment.
             attention = {
                 name: StandInAttention(backend)
                 for name, kind in zip(names, layer_types)

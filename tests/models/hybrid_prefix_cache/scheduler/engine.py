@@ -1,8 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""An instance's scheduler-side objects (:class:`Engine`) and the geometry
-they resolve (:class:`Geometry`), finished from the workers' layer specs as
-the engine core finishes them (:func:`finish_engine`)."""
+"""An instance's scheduler-side objects and the geometry they resolve, built
+as the engine core builds them."""
 
 import contextlib
 import os
@@ -24,8 +23,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from vllm.v1.structured_output import StructuredOutputManager
 
 try:
-    # vLLM 0.33: the configs come from v1/core/kv_cache_planning.py, after
-    # the layers are grouped across all workers.
+    # 0.33: v1/core/kv_cache_planning.py groups layers across workers
     from vllm.v1.core import kv_cache_planning
 except ImportError:
     kv_cache_planning = None  # vLLM 0.32: v1/core/kv_cache_utils.py alone
@@ -36,14 +34,9 @@ def get_kv_cache_configs(
     kv_cache_specs: list[dict[str, KVCacheSpec]],
     available_memory: list[int],
 ) -> list[KVCacheConfig]:
-    """One ``KVCacheConfig`` per worker, as the installed vLLM's engine core
-    makes them (v1/engine/core.py, EngineCore._initialize_kv_caches): in
-    0.33, the global groups first (kv_cache_planning.
-    get_global_kv_cache_groups, and the DCP interleave size they decide),
-    then kv_cache_planning.get_kv_cache_configs with them; in 0.32,
-    kv_cache_utils.get_kv_cache_configs. Not 0.33's tests/v1/core/utils.py
-    helper of the same name: the checkout's tests/ may be another release
-    than the vLLM under test (``--vllm-source`` of a main tree)."""
+    """One ``KVCacheConfig`` per worker, as v1/engine/core.py
+    EngineCore._initialize_kv_caches makes them. Not tests/v1/core/utils.py's
+    helper: the checkout's tests/ may be another release."""
     if kv_cache_planning is None:
         from vllm.v1.core.kv_cache_utils import get_kv_cache_configs as configs
 
@@ -55,22 +48,19 @@ def get_kv_cache_configs(
     )
 
 
-# Whether the installed vLLM refuses to build a config on this CPU without
-# Triton (None: not tried yet); see :func:`build_config`.
+# None: no config built yet (:func:`build_config`)
 _RUNNER_NEEDS_TRITON: bool | None = None
 
 
 def runner_refusal(error: BaseException) -> bool:
-    """Whether ``error`` is the CPU platform's refusal to run its model
-    runner without Triton (0.34: platforms/cpu.py
-    CpuPlatform.check_and_update_config raises it on x86 CPUs; 0.33 warned)."""
+    """The CPU runner's refusal without Triton (0.34: platforms/cpu.py
+    CpuPlatform.check_and_update_config; 0.33 warned)."""
     return isinstance(error, RuntimeError) and "requires Triton" in str(error)
 
 
 @contextlib.contextmanager
 def _triton_declared() -> Iterator[None]:
-    """``vllm.triton_utils.HAS_TRITON`` read as True for a block: the flag
-    that CpuPlatform.check_and_update_config reads when it is called."""
+    """``vllm.triton_utils.HAS_TRITON`` as True for a block."""
     import vllm.triton_utils as triton_utils
 
     saved = triton_utils.HAS_TRITON
@@ -82,14 +72,9 @@ def _triton_declared() -> Iterator[None]:
 
 
 def build_config(args: EngineArgs) -> VllmConfig:
-    """``args.create_engine_config()``, as the API server builds it, less
-    one check: where the installed vLLM refuses a config on this CPU because
-    its model runner needs Triton (triton-cpu), which is not installed here,
-    the config is built again with Triton declared present while the
-    platform checks it. Nothing here runs a model, so nothing needs the
-    runner; every other check and setting of the platform applies. The
-    refusal is remembered, so that later configs go straight to the second
-    build; :func:`runner_needs_triton` says whether it was seen."""
+    """``args.create_engine_config()``, rebuilt with Triton declared present
+    where the CPU runner refuses without it: nothing here runs a model. The
+    refusal is remembered (:func:`runner_needs_triton`)."""
     global _RUNNER_NEEDS_TRITON
     if not _RUNNER_NEEDS_TRITON:
         try:
@@ -106,21 +91,14 @@ def build_config(args: EngineArgs) -> VllmConfig:
 
 
 def runner_needs_triton() -> bool | None:
-    """Whether a config built by :func:`build_config` was refused because
-    the CPU model runner needs Triton (None: none was built yet)."""
+    """Whether :func:`build_config` met the Triton refusal (None: not yet)."""
     return _RUNNER_NEEDS_TRITON
 
 
 @dataclass(frozen=True)
 class Geometry:
-    """Where a hit can land, as the engine resolves it.
-
-    ``attention_block`` is ``cache_config.block_size`` (tokens per attention
-    block on one rank), ``mamba_block`` the Mamba groups' block, ``hit_unit``
-    the finest boundary a hit lands on (``cache_hit_alignment_tokens``) and
-    ``scheduler_block`` the lcm of the groups' effective blocks (attention
-    blocks are ``dcp`` times larger under decode context parallelism).
-    """
+    """Where a hit can land: ``hit_unit`` is ``cache_hit_alignment_tokens``,
+    ``scheduler_block`` the lcm of the groups' effective (DCP-scaled) blocks."""
 
     attention_block: int
     mamba_block: int
@@ -129,8 +107,7 @@ class Geometry:
 
     @property
     def labels(self) -> dict[str, str]:
-        """The ``vllm:cache_config_info`` labels the harness reads
-        (:meth:`harness.Units.from_cache_config`)."""
+        """The ``vllm:cache_config_info`` labels the harness reads."""
         return {
             "block_size": str(self.attention_block),
             "mamba_block_size": str(self.mamba_block),
@@ -139,17 +116,15 @@ class Geometry:
 
 @dataclass
 class Engine:
-    """One instance's scheduler-side objects: its ``VllmConfig``, the
-    ``KVCacheConfig`` its scheduler gets, and the block sizes the engine core
-    resolves for it (``v1/engine/core.py``, EngineCore.__init__)."""
+    """One instance's config, scheduler KV cache config and block sizes
+    (v1/engine/core.py EngineCore.__init__)."""
 
     vllm_config: VllmConfig
     kv_cache_config: KVCacheConfig
     scheduler_block: int
     hash_block: int
     hit_unit: int
-    # Whether the server schedules asynchronously (AsyncScheduler, a batch
-    # queue of two): vLLM's default where the executor supports it.
+    # AsyncScheduler: vLLM's default where the executor supports it
     async_scheduling: bool
 
     @property
@@ -176,8 +151,7 @@ class Engine:
 
 @contextlib.contextmanager
 def environment(env: Mapping[str, str]) -> Iterator[None]:
-    """Set ``env`` for a block (the instance's environment, which vLLM's
-    config reads), restoring what was there."""
+    """Set ``env`` for a block, restoring what was there."""
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
     try:
@@ -197,10 +171,8 @@ def finish_engine(
     layouts: list[str],
     async_scheduling: bool,
 ) -> Engine:
-    """What ``EngineCore._initialize_kv_caches`` does with the workers' layer
-    specs: resolve the KV cache layout, group the layers
-    (``get_kv_cache_configs``, one worker per rank), adopt the groups' block
-    size, and resolve the scheduler block, the hash block and the hit unit."""
+    """``EngineCore._initialize_kv_caches`` on the workers' layer specs: layout,
+    groups, then the scheduler block, hash block and hit unit."""
     cache_config = vllm_config.cache_config
     register_all_kvcache_specs(vllm_config)
     resolve_kv_cache_layout(vllm_config, [layouts], list(layer_specs.values()))

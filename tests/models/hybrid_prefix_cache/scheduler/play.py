@@ -20,19 +20,19 @@ class TurnResult:
     its cache (the prefiller's under P/D) and the recompute's."""
 
     conversation: str
-    planned: harness.PlannedTurn
+    planned: harness.rules.PlannedTurn
     hit: int
     # None where the harness sends no recompute (a resend's cold request).
     recompute_hit: int | None
     # Under P/D, the decoder's own prefix-cache hit for its decode leg (its
-    # prefix_cache_hits delta, as harness.send reads it).
+    # prefix_cache_hits delta, as harness.client.send reads it).
     decoder_hit: int | None = None
 
 
 def send(
     servers: Sequence[ReplayServer], prompt: list[int], salt: str
 ) -> tuple[Completion, int, int | None]:
-    """One turn's request through the deployment, as harness.send sends it:
+    """One turn's request through the deployment, as harness.client.send sends it:
     the returned hit is the prefiller's under P/D, and with it the
     decoder's own hit for its decode leg."""
     if len(servers) == 1:
@@ -44,13 +44,13 @@ def send(
         prompt,
         salt,
         max_tokens=1,
-        kv_transfer_params=harness.PREFILL_KV_TRANSFER_PARAMS,
+        kv_transfer_params=harness.client.PREFILL_KV_TRANSFER_PARAMS,
     )
     assert prefill.kv_transfer_params, "the prefiller returned no kv_transfer_params"
     sent = prefill.kv_transfer_params
-    before = decoder.moved[harness.PREFIX_HITS] or 0.0
+    before = decoder.moved[harness.reconcile.PREFIX_HITS] or 0.0
     decode = decoder.complete(prompt, salt, kv_transfer_params=sent)
-    decoder_hit = int((decoder.moved[harness.PREFIX_HITS] or 0.0) - before)
+    decoder_hit = int((decoder.moved[harness.reconcile.PREFIX_HITS] or 0.0) - before)
     # The prefiller frees the transferred blocks once the decoder read them.
     prefiller.drain()
     assert prefill.cached_tokens is not None
@@ -64,7 +64,7 @@ def _hit_and_recompute(
     salt: str,
     recompute_salt: str,
 ) -> tuple[Completion, int, int, int | None]:
-    """A hit request as harness.send_turn sends it (the offload tier's
+    """A hit request as harness.conversation.send_turn sends it (the offload tier's
     device caches reset first, so the hit comes from host memory), then its
     recompute on the last server under ``recompute_salt``: the output, the
     hit, the recompute's hit and (under P/D) the decoder's own hit."""
@@ -80,12 +80,12 @@ def _hit_and_recompute(
 def play_conversations(
     servers: Sequence[ReplayServer],
     deployment: harness.Deployment,
-    conversations: Sequence[harness.Conversation],
+    conversations: Sequence[harness.conversation.Conversation],
     token_ids: tuple[int, int],
     concurrent: bool = False,
 ) -> list[TurnResult]:
-    """Play ``conversations`` turn by turn as harness.run_conversations and
-    harness.play_turn do: each prompt is the previous one, its output's
+    """Play ``conversations`` turn by turn as harness.conversation.run_conversations and
+    harness.conversation.play_turn do: each prompt is the previous one, its output's
     first TURN_TOKENS tokens and random fill (the last turn resends); under
     offload the device prefix caches are reset before every turn; each turn
     is followed by its recompute under a fresh salt on the decoder.
@@ -95,10 +95,11 @@ def play_conversations(
     states = []
     for conv in conversations:
         rng = random.Random(conv.seed)
-        prompt = harness.random_tokens(rng, token_ids, conv.first_len)
+        prompt = harness.conversation.random_tokens(rng, token_ids, conv.first_len)
         states.append([conv, rng, f"conversation-{conv.seed}", prompt])
     plans = [
-        harness.plan_turns(c.first_len, c.num_turns, c.resend) for c in conversations
+        harness.rules.plan_turns(c.first_len, c.num_turns, c.resend)
+        for c in conversations
     ]
     assert len({len(plan) for plan in plans}) == 1, "conversations of unequal turns"
     for index in range(len(plans[0])):
@@ -122,7 +123,7 @@ def play_conversations(
             conv, rng, salt, prompt = state
             if index + 1 >= len(plan) or plan[index + 1].resend:
                 continue
-            state[3] = harness.grown_prompt(rng, token_ids, prompt, output)
+            state[3] = harness.conversation.grown_prompt(rng, token_ids, prompt, output)
     for server in servers:
         server.drain()
     return results
@@ -131,7 +132,7 @@ def play_conversations(
 def _play_batch(
     server: ReplayServer,
     states: list,
-    plans: list[list[harness.PlannedTurn]],
+    plans: list[list[harness.rules.PlannedTurn]],
     index: int,
     results: list[TurnResult],
 ) -> list[list[int]]:
@@ -146,7 +147,7 @@ def _play_batch(
                 planned,
                 salt,
                 prompt,
-                server.submit(prompt, salt, harness.MAX_TOKENS),
+                server.submit(prompt, salt, harness.client.MAX_TOKENS),
             )
         )
     recomputes: dict[int, Completion] = {}
@@ -159,7 +160,7 @@ def _play_batch(
             if completion.finished and i not in recomputes:
                 server.settle(completion, None)
                 recomputes[i] = server.submit(
-                    prompt, f"recompute-{salt}-{index}", harness.MAX_TOKENS
+                    prompt, f"recompute-{salt}-{index}", harness.client.MAX_TOKENS
                 )
     outputs = []
     for i, (conv, planned, _, _, completion) in enumerate(turns):
@@ -187,16 +188,18 @@ def play_resend(
 ) -> list[TurnResult]:
     """harness.run_resend: a cold request, then (after the offload reset)
     the same prompt again and its recompute under a fresh salt."""
-    prompt = harness.random_tokens(random.Random(seed), token_ids, prompt_len)
+    prompt = harness.conversation.random_tokens(
+        random.Random(seed), token_ids, prompt_len
+    )
     salt = f"resend-{seed}"
     results = []
     _, cold, decoder_hit = send(servers, prompt, salt)
-    planned = harness.PlannedTurn(0, prompt_len, 0)
+    planned = harness.rules.PlannedTurn(0, prompt_len, 0)
     results.append(TurnResult("", planned, cold, None, decoder_hit))
     _, hit, recomputed, decoder_hit = _hit_and_recompute(
         servers, deployment, prompt, salt, f"recompute-{seed}"
     )
-    resend = harness.PlannedTurn(1, prompt_len, prompt_len, resend=True)
+    resend = harness.rules.PlannedTurn(1, prompt_len, prompt_len, resend=True)
     results.append(TurnResult("", resend, hit, recomputed, decoder_hit))
     for server in servers:
         server.drain()

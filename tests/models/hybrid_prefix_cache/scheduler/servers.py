@@ -23,10 +23,10 @@ from vllm.v1.request import Request
 # longest prompt here in chunks of the smallest budget, and its decode.
 STEP_LIMIT = 10_000
 COUNTERS = (
-    harness.PREFIX_QUERIES,
-    harness.PREFIX_HITS,
-    harness.EXTERNAL_QUERIES,
-    harness.EXTERNAL_HITS,
+    harness.reconcile.PREFIX_QUERIES,
+    harness.reconcile.PREFIX_HITS,
+    harness.reconcile.EXTERNAL_QUERIES,
+    harness.reconcile.EXTERNAL_HITS,
 )
 
 
@@ -71,10 +71,8 @@ class EngineLoop:
 
 
 class ReplayServer:
-    """One ``vllm serve`` instance: an engine loop per data-parallel rank
-    (new requests go round-robin, as ``DPLBAsyncMPClient`` routes them when
-    every engine is idle), the usage ledger of its completions and the
-    deltas of its prefix-cache counters."""
+    """One ``vllm serve`` instance: an engine loop per DP rank (round-robin, as
+    ``DPLBAsyncMPClient`` routes to idle engines), its ledger and counters."""
 
     def __init__(
         self,
@@ -87,18 +85,15 @@ class ReplayServer:
         self.engine = engine
         self.instance = instance
         self.loops = [EngineLoop(engine, token_ids) for _ in range(instance.dp)]
-        # As EngineCore.__init__ (v1/engine/core.py) makes it: in 0.33.0 with
-        # VllmConfig.num_hash_lookahead_tokens, the tokens past each block that
-        # its hash covers and the scheduler's block pool expects it to; 0.32.0
-        # has neither (the hash covers the block alone).
+        # As v1/engine/core.py EngineCore.__init__ makes it; 0.33 adds
+        # VllmConfig.num_hash_lookahead_tokens
         lookahead = getattr(engine.vllm_config, "num_hash_lookahead_tokens", 0)
         self.hasher = get_request_block_hasher(
             engine.hash_block, sha256, *((lookahead,) if lookahead else ())
         )
         self.completions: dict[str, Completion] = {}
-        # The engine loop each request went to.
         self.routed: dict[str, EngineLoop] = {}
-        self.ledger = harness.Ledger()
+        self.ledger = harness.reconcile.Ledger()
         self.moved: dict[str, float | None] = dict.fromkeys(COUNTERS, 0.0)
         self.requests = 0
 
@@ -119,12 +114,16 @@ class ReplayServer:
         for eco in outputs.values():
             stats = eco.scheduler_stats
             if stats is not None:
-                self.moved[harness.PREFIX_QUERIES] += stats.prefix_cache_stats.queries
-                self.moved[harness.PREFIX_HITS] += stats.prefix_cache_stats.hits
+                self.moved[harness.reconcile.PREFIX_QUERIES] += (
+                    stats.prefix_cache_stats.queries
+                )
+                self.moved[harness.reconcile.PREFIX_HITS] += (
+                    stats.prefix_cache_stats.hits
+                )
                 connector = stats.connector_prefix_cache_stats
                 if connector is not None:
-                    self.moved[harness.EXTERNAL_QUERIES] += connector.queries
-                    self.moved[harness.EXTERNAL_HITS] += connector.hits
+                    self.moved[harness.reconcile.EXTERNAL_QUERIES] += connector.queries
+                    self.moved[harness.reconcile.EXTERNAL_HITS] += connector.hits
             for out in eco.outputs:
                 completion = self.completions.get(out.request_id)
                 if completion is None:
@@ -156,9 +155,7 @@ class ReplayServer:
         max_tokens: int,
         kv_transfer_params: Mapping | None = None,
     ) -> Completion:
-        """Add a completion request as the API server would: greedy, with
-        logprobs, the cache salt, and the transfer parameters as the client
-        sent them (a JSON copy) in ``extra_args``."""
+        """Add a greedy completion request as the API server would."""
         loop = self.loops[self.requests % len(self.loops)]
         self.requests += 1
         request_id = f"{self.name}-{self.requests}"
@@ -168,7 +165,7 @@ class ReplayServer:
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=0.0,
-            logprobs=harness.NUM_LOGPROBS,
+            logprobs=harness.compare.NUM_LOGPROBS,
             extra_args=extra,
         )
         request = self.request(request_id, prompt, salt, params)
@@ -197,10 +194,8 @@ class ReplayServer:
         )
 
     def settle(self, completion: Completion, sent: Mapping | None) -> None:
-        """Book a finished completion in the ledger as its response reports
-        it: usage's cached tokens are the prefill's local plus external hit,
-        except on a P/D decoder, which reports the prefiller's
-        (``remote_prefill_cached_tokens``: ``v1/engine/output_processor.py``,
+        """Book a finished completion as its response reports it: a P/D decoder
+        reports the prefiller's hit (v1/engine/output_processor.py
         RequestState.from_new_request)."""
         assert completion.finished, f"{completion.request_id} did not finish"
         params = sent or {}
@@ -208,7 +203,7 @@ class ReplayServer:
         if params.get("do_remote_prefill") and isinstance(remote, int):
             completion.cached_tokens = remote
         assert completion.cached_tokens is not None, completion.request_id
-        self.ledger += harness.ledger_entry(
+        self.ledger += harness.reconcile.ledger_entry(
             completion.prompt_tokens, completion.cached_tokens, sent
         )
 
@@ -216,7 +211,7 @@ class ReplayServer:
         self,
         prompt: Sequence[int],
         salt: str,
-        max_tokens: int = harness.MAX_TOKENS,
+        max_tokens: int = harness.client.MAX_TOKENS,
         kv_transfer_params: Mapping | None = None,
     ) -> Completion:
         completion = self.submit(prompt, salt, max_tokens, kv_transfer_params)
@@ -260,8 +255,8 @@ class ReplayServer:
             )
 
     def counter_problems(self) -> list[str]:
-        """:func:`harness.counter_problems` for this server."""
-        return harness.counter_problems(
+        """:func:`harness.reconcile.counter_problems` for this server."""
+        return harness.reconcile.counter_problems(
             self.name,
             self.moved,
             self.ledger,

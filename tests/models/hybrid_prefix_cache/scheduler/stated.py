@@ -20,24 +20,15 @@ from vllm.v1.kv_cache_interface import KVCacheSpec, MambaSpec, MLAAttentionSpec
 
 @dataclass(frozen=True)
 class StatedGeometry:
-    """A deployment's cache geometry where its model cannot be loaded here.
-
-    ``block`` is ``cache_config.block_size`` and, in Mamba "align" mode, also
-    the Mamba block (``Platform._align_hybrid_block_size`` sets
-    ``mamba_block_size = block_size``); attention blocks hold ``block * dcp``
-    tokens under DCP (``resolve_dcp_kv_block_size``). ``kda_checkpoint``
-    is the alignment of the Mamba layers' internal prompt checkpoint (16 for
-    FlashKDA, None for the Triton prefill: ``kda_prefill_checkpoint_alignment``).
-    """
+    """A cache geometry where the model cannot be loaded. ``block`` is also the
+    Mamba block in align mode (Platform._align_hybrid_block_size);
+    ``kda_checkpoint``: kda_prefill_checkpoint_alignment (None: Triton)."""
 
     block: int
     kda_checkpoint: int | None = None
 
 
-# The geometry of the stand-in layers: a Kimi-K3-like stack of MLA and KDA
-# layers (three KDA layers to one MLA layer), whose page sizes only need to be
-# unifiable (the Mamba page is padded to the attention page, as
-# _align_hybrid_block_size does).
+# Kimi-K3-like stand-in layers, three KDA to one MLA; pages need only unify.
 MLA_HEAD_SIZE = 576
 KDA_STATE = ((3, 256), (1, 128, 128))
 STATED_LAYERS = ("kda", "kda", "kda", "mla") * 2
@@ -55,20 +46,10 @@ def stated_engine(
     async_scheduling: bool,
     num_blocks: int,
 ) -> Engine:
-    """Scheduler-side objects for ``instance`` in ``mode`` with a stated
-    ``geometry``, where the model itself is not available.
-
-    ``model`` is any local hybrid checkpoint: the scheduler reads only its
-    max_model_len and that it is a plain text model. The cache, parallel,
-    scheduling and KV-transfer settings are the instance's and the mode's.
-    An EAGLE-style drafter whose checkpoint is not here is given by its
-    method and token count only: vLLM validates the config of a drafter that
-    needs no checkpoint (n-gram) with the same token count, and the method is
-    then set to the mode's. The scheduler, the KV cache manager and the
-    connectors read only the method (``use_eagle``, ``use_eagle_block_drop``,
-    ``use_dspark``), ``disable_eagle_block_drop``, the token count and the
-    draft's ``sample_from_anchor`` (taken as the default, True).
-    """
+    """Scheduler-side objects for ``instance`` in ``mode`` at a stated
+    ``geometry``; ``model`` is any local hybrid checkpoint. A drafter without
+    a checkpoint is validated as n-gram, then given the mode's method: the
+    scheduler reads only the method, block-drop flag and token count."""
     spec = dict(mode.spec) if mode.spec is not None else None
     stand_in_spec = None
     if spec is not None and spec["method"] not in ("ngram",):
@@ -81,8 +62,7 @@ def stated_engine(
     caching = instance.prefix_caching
     args = EngineArgs(
         model=model,
-        # The stand-in's context may be as long as the stated model's, and
-        # its attention is MLA-like (one KV head), so that vLLM accepts DCP.
+        # the stated model's context; one KV head, so vLLM accepts DCP
         hf_overrides={
             "max_position_embeddings": max_model_len,
             "num_key_value_heads": 1,
@@ -113,8 +93,7 @@ def stated_engine(
         speculative.draft_model_config = SimpleNamespace(
             hf_config=SimpleNamespace(), model=spec.get("model", "")
         )
-        # DSpark drafts in parallel (SpeculativeConfig.max_num_new_slots_for_
-        # drafting documents its K - 1 extra slots).
+        # SpeculativeConfig.max_num_new_slots_for_drafting: K - 1 extra slots
         speculative.parallel_drafting = spec["method"] == "dspark"
     cache_config = vllm_config.cache_config
     if caching:
@@ -149,7 +128,7 @@ def stated_engine(
         for i, kind in enumerate(STATED_LAYERS)
     }
     if spec is not None and spec["method"] == "dspark":
-        # The DSpark drafter's own MLA layer, registered after the target's.
+        # DSpark's own MLA layer, after the target's
         layer_specs[f"model.layers.{len(STATED_LAYERS)}"] = mla(True)
     engine = finish_engine(
         vllm_config,

@@ -1,8 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The load format ``hybrid_seeded`` (hybrid_seeded_load.py), and the
-environment that gives it to a server: this folder first on its PYTHONPATH,
-where vLLM's general plugins find it."""
+"""The load format ``hybrid_seeded`` and the env that gives it to a server."""
 
 from pathlib import Path
 

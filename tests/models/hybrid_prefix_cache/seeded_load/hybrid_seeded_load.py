@@ -1,25 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The load format ``hybrid_seeded``: any config served with weights like the
-suite's tiny model's, seeded, under which a wrong recurrent state shows,
-and no checkpoint on disk (a B200 run of Kimi-K3 has only its config).
-
-vLLM's ``--load-format dummy`` draws every weight from U(-1e-3, 1e-3), which
-makes the recurrent state numerically invisible: a 10% error in every
-restored state moved nothing (test_sensitivity.py; on an H200 too). Here
-every weight is drawn as an initializer draws it (N(0, STD)), norms are
-neutral, and the state is made to matter as tiny_hybrid.py makes it: each
-linear-attention head's decay rate from DECAY_RATE_RANGE, a memory of 10 to
-1000 tokens, and an lm_head of LM_HEAD_GAIN times the scale, a next-token
-distribution as peaked as a trained model's. Each parameter's values depend
-on the seed and its name alone, so every rank and every run draws them alike.
-
-A server takes it with its folder first on PYTHONPATH: the folder's
-``hybrid_seeded_load-0.dist-info`` declares :func:`register` a vLLM general
-plugin (vllm/plugins/__init__.py load_general_plugins, called by the engine
-core and by each worker), which registers the loader by name
-(vllm/model_executor/model_loader/__init__.py register_model_loader).
-"""
+"""The load format ``hybrid_seeded``: seeded weights like the tiny model's, with
+no checkpoint on disk, where dummy weights hide the recurrent state
+(findings/tiny-hybrid-state.md). Values depend on seed and name only, so ranks
+agree. Registered as a vLLM general plugin (vllm/plugins/__init__.py
+load_general_plugins) by this folder's dist-info."""
 
 import zlib
 
@@ -38,9 +23,7 @@ def _generator(name: str, seed: int, device: torch.device) -> torch.Generator:
 
 
 def _neutral_norm(module: nn.Module, weight: nn.Parameter) -> float:
-    """The weight that leaves ``module``, a norm, neutral: 1 where it scales
-    by its weight, 0 where it scales by one plus it (Gemma-style, as
-    Qwen3-Next's), found by running it with a zero weight."""
+    """1, or 0 for a (1 + weight) norm such as Qwen3-Next's: tried at zero."""
     forward = getattr(module, "forward_native", module.forward)
     saved = weight.detach().clone()
     try:
@@ -60,10 +43,8 @@ def _neutral_norm(module: nn.Module, weight: nn.Parameter) -> float:
 def seeded_values(
     name: str, param: torch.Tensor, owner: nn.Module, seed: int = SEED
 ) -> torch.Tensor | None:
-    """What ``param`` (of ``owner``, named ``name`` in the model) is set to,
-    in float32 on its device (drawn there: a large model's weights would not
-    fit twice in host memory); None for a parameter that is not floating
-    point (quantized scales and indices keep what the dummy loader drew)."""
+    """``param``'s seeded float32 values, drawn on its device (a large model
+    would not fit twice in host memory); None where not floating point."""
     if not param.is_floating_point():
         return None
     device = param.device
@@ -85,8 +66,7 @@ def seeded_values(
 
 
 def seeded_init(model: nn.Module, seed: int = SEED) -> int:
-    """Set every floating-point parameter of ``model`` to its
-    :func:`seeded_values`; returns how many were set."""
+    """Set each parameter to :func:`seeded_values`; return how many."""
     owners = {
         f"{prefix}.{leaf}" if prefix else leaf: module
         for prefix, module in model.named_modules()
@@ -104,8 +84,7 @@ def seeded_init(model: nn.Module, seed: int = SEED) -> int:
 
 
 def register() -> None:
-    """Register the load format with the vLLM of this process (a vLLM
-    general plugin; called once per process, maybe more)."""
+    """The general plugin: register the load format (maybe called twice)."""
     import vllm.model_executor.model_loader as model_loader
     from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
 

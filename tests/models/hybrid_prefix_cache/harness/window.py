@@ -1,0 +1,84 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""A case's counter window: each server's counters and ledger at its start
+(:func:`open_window`), reconciled at its end (:func:`close_window`)."""
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tests.models.hybrid_prefix_cache.harness.client import (
+    METRICS_POLL_INTERVAL,
+    METRICS_SETTLE_SECONDS,
+    read_counters,
+)
+from tests.models.hybrid_prefix_cache.harness.compare import Turn
+from tests.models.hybrid_prefix_cache.harness.deployment import Mode
+from tests.models.hybrid_prefix_cache.harness.reconcile import (
+    SPEC_DRAFTS,
+    Ledger,
+    counter_deltas,
+    drafter_problems,
+    expected_requests,
+    server_deltas,
+    server_problems,
+)
+from tests.models.hybrid_prefix_cache.harness.servers import Server
+
+
+@dataclass
+class Window:
+    """Counters and usage ledgers of a case's servers at its start."""
+
+    servers: Sequence[Server]
+    counters: list[dict[str, float | None]]
+    ledgers: list[Ledger]
+
+
+def open_window(servers: Sequence[Server]) -> Window:
+    return Window(
+        servers,
+        [read_counters(server) for server in servers],
+        [server.ledger for server in servers],
+    )
+
+
+def close_window(
+    window: Window, mode: Mode, turns: Sequence[Turn]
+) -> tuple[dict, list[str]]:
+    """Each server's counter deltas since :func:`open_window`, and every way
+    they disagree with what its completions reported
+    (:func:`counter_problems`) or with the route every request must take
+    (:func:`expected_requests`, against vLLM's own request_success count)."""
+    deltas, problems = {}, []
+    drafts = 0.0
+    routes = expected_requests(len(window.servers), turns)
+    for index, server in enumerate(window.servers):
+        spec = server.spec
+        name = spec.name
+        ledger = server.ledger - window.ledgers[index]
+        before = window.counters[index]
+
+        def check(
+            now: dict, before=before, name=name, ledger=ledger, spec=spec, index=index
+        ) -> list[str]:
+            return server_problems(
+                name,
+                counter_deltas(now, before),
+                ledger,
+                prefix_caching=spec.prefix_caching,
+                connector=spec.connector,
+                route=routes[index],
+            )
+
+        deadline = time.monotonic() + METRICS_SETTLE_SECONDS
+        now = read_counters(server)
+        while check(now) and time.monotonic() < deadline:
+            time.sleep(METRICS_POLL_INTERVAL)
+            now = read_counters(server)
+        problems += check(now)
+        moved = counter_deltas(now, before)
+        deltas[name] = server_deltas(ledger, moved)
+        drafts += moved[SPEC_DRAFTS] or 0.0
+    problems += drafter_problems(mode, drafts)
+    return deltas, problems

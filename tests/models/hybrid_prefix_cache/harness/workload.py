@@ -1,0 +1,79 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""What a workload is, and what its play on real servers is given."""
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tests.models.hybrid_prefix_cache.harness.cases import Suite
+from tests.models.hybrid_prefix_cache.harness.deployment import (
+    Binding,
+    Deployment,
+    Known,
+    Mode,
+    Units,
+)
+from tests.models.hybrid_prefix_cache.harness.records import CaseRecord
+from tests.models.hybrid_prefix_cache.harness.rules import NUM_TURNS
+
+
+class InProcess(Protocol):
+    """A tier's engines built in-process from exactly its servers' arguments."""
+
+    def units(self, mode: Mode) -> Units: ...
+
+    def budget(self, deployment: Deployment, mode: Mode) -> int: ...
+
+    def replay_servers(
+        self, deployment: Deployment, mode: Mode, args: Sequence[str]
+    ) -> tuple[Any, list]: ...
+
+
+@dataclass(frozen=True)
+class WorkloadRun:
+    """One workload case on real servers: where it runs, its known failures,
+    its matrix's turns, and the tier's in-process engines (None on B200)."""
+
+    suite: Suite
+    case_id: str
+    binding: Binding
+    deployment: Deployment
+    mode: Mode
+    known: tuple[Known, ...] = ()
+    num_turns: int = NUM_TURNS
+    resend: bool = True
+    in_process: InProcess | None = None
+
+    def needs_in_process(self) -> InProcess:
+        if self.in_process is None:
+            raise ValueError(
+                f"{self.case_id}: this workload sizes its servers in-process, "
+                f"and this tier builds no engine in-process"
+            )
+        return self.in_process
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A workload of the ``workloads`` package: its id suffix, the property it holds,
+    its vLLM rule, its ``play`` on real servers and scheduler-tier ``replay``."""
+
+    name: str
+    holds: str
+    rule: str
+    play: Callable[[WorkloadRun], CaseRecord] | None = None
+    replay: Callable[..., None] | None = None
+    # The scheduler tier's extra parameter (e.g. sync and async scheduling).
+    variants: tuple[str, ...] = ()
+    # Which cells it applies to in the scheduler tier, and of which tiers.
+    applies: Callable[[Deployment, Mode], bool] = lambda deployment, mode: True
+    tiers: tuple[str, ...] = ("kimi", "cpu")
+    # On real servers: servers of its own, started after the cell's others.
+    own_servers: bool = False
+    # On real servers: its requests, where it plays no cell turns (Case.turns).
+    turns: int | None = None
+
+    def failure(self, detail: str) -> str:
+        """A record's problem that names the property."""
+        return f"{self.name}: {self.holds} ({detail})"

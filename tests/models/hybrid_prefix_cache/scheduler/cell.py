@@ -1,0 +1,137 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""One cell of a matrix as the scheduler tier replays it (:class:`ReplayCell`):
+its engines under a workload's :class:`Setting`, its replayed servers, and
+the verdict of a workload replayed on it, held to the tier's known
+failures."""
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import pytest
+
+from tests.models.hybrid_prefix_cache import harness
+from tests.models.hybrid_prefix_cache.harness.known import judge_failure, judge_pass
+from tests.models.hybrid_prefix_cache.harness.workload import Workload
+from tests.models.hybrid_prefix_cache.scheduler.engine import Engine
+from tests.models.hybrid_prefix_cache.scheduler.judge import check_geometry
+from tests.models.hybrid_prefix_cache.scheduler.play import (
+    TurnResult,
+    play_conversations,
+)
+from tests.models.hybrid_prefix_cache.scheduler.servers import (
+    ReplayServer,
+    servers_for,
+)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What a workload changes in an instance's engine (None: as the tier's
+    servers run)."""
+
+    budget: int | None = None
+    num_blocks: int | None = None
+    async_scheduling: bool | None = None
+    max_model_len: int | None = None
+
+
+@dataclass(frozen=True)
+class ReplayCell:
+    """A cell of a tier's matrix: ``build`` makes its servers' engines under
+    a setting and a KDA checkpoint alignment (one of ``kda_checkpoints``);
+    ``known`` is the tier's known failures of its workloads, by workload,
+    and ``plans`` the (turns, resend) its matrix gives a workload case."""
+
+    cell_id: str
+    tier: str
+    deployment: harness.Deployment
+    mode: harness.Mode
+    token_ids: tuple[int, int]
+    build: Callable[[Setting, int | None], list[Engine]]
+    kda_checkpoints: Mapping[str, int | None] = field(
+        default_factory=lambda: {"": None}
+    )
+    known: Mapping[str, harness.Known] = field(default_factory=dict)
+    plans: Mapping[str, tuple[int, bool]] = field(default_factory=dict)
+
+    @property
+    def pd(self) -> bool:
+        return self.deployment.prefill is not None
+
+    def engines(
+        self, setting: Setting | None = None, kda: int | None = None
+    ) -> list[Engine]:
+        return self.build(setting or Setting(), kda)
+
+    def servers_of(
+        self, engines: Sequence[Engine]
+    ) -> tuple[harness.Units, list[ReplayServer]]:
+        units = check_geometry(engines[0], self.mode)
+        return units, servers_for(engines, self.deployment, self.token_ids)
+
+    def scheduling_engines(self, setting: Setting, kda: int | None) -> list[Engine]:
+        """:meth:`engines`, skipping where vLLM turns asynchronous scheduling
+        down in-process: VllmConfig's validation for a drafter
+        (config/vllm.py), or the CPU platform (platforms/cpu.py
+        CpuPlatform.check_and_update_config)."""
+        try:
+            engines = self.engines(setting, kda)
+        except ValueError as e:
+            lines = str(e).splitlines()
+            refusal = next((x for x in lines if "async scheduling" in x.lower()), None)
+            if not setting.async_scheduling or refusal is None:
+                raise
+            pytest.skip(
+                f"vLLM refuses asynchronous scheduling with this drafter "
+                f"({self.mode.spec}); confirmed in-process: {refusal.strip()!r}"
+            )
+        if setting.async_scheduling and not any(e.async_scheduling for e in engines):
+            assert self.tier == "cpu", f"{self.tier}: asynchronous scheduling refused"
+            pytest.skip(
+                "vLLM's CPU platform turns asynchronous scheduling off "
+                "(platforms/cpu.py CpuPlatform.check_and_update_config); confirmed "
+                "in-process: --async-scheduling resolves to async_scheduling=False"
+            )
+        return engines
+
+    def fail(self, workload: Workload, problems: Sequence[str], detail: str) -> None:
+        """Fail naming the workload's property, as the tier's known failures
+        judge it (harness.known)."""
+        if not problems:
+            return
+        text = f"{self.cell_id}-{workload.name}: {workload.holds} "
+        text += f"(vLLM: {workload.rule}):\n" + "\n".join(problems)
+        known = self.known.get(workload.name)
+        if known is not None:
+            judge_failure(f"{self.cell_id}-{workload.name}", known, text)
+        pytest.fail(f"{text}\n{detail}", pytrace=False)
+
+    def replay(self, workload: Workload, *variant: str) -> None:
+        """Every assertion of the replay (a stalled engine, a refused request)
+        fails naming the property; a listed case that passes is an XPASS."""
+        __tracebackhide__ = True
+        assert workload.replay is not None, f"{workload.name} has no replay"
+        try:
+            workload.replay(self, *variant)
+        except AssertionError as e:
+            self.fail(workload, [f"{type(e).__name__}: {e}"], "")
+        known = self.known.get(workload.name)
+        if known is not None:
+            judge_pass(f"{self.cell_id}-{workload.name}", known)
+
+    def play_conversations(
+        self,
+        engines: Sequence[Engine],
+        conversations: Callable[
+            [harness.Units], list[harness.conversation.Conversation]
+        ],
+        concurrent: bool = False,
+    ) -> tuple[harness.Units, list[ReplayServer], list[TurnResult]]:
+        """``conversations`` of the units the engines resolve, played through
+        the cell's replayed servers."""
+        units, servers = self.servers_of(engines)
+        results = play_conversations(
+            servers, self.deployment, conversations(units), self.token_ids, concurrent
+        )
+        return units, servers, results

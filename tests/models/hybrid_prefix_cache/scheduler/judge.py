@@ -1,0 +1,133 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""A replayed case judged against the harness: the geometry the harness
+reads, each turn's hit against its expectation, each server's counters."""
+
+from collections.abc import Sequence
+
+from tests.models.hybrid_prefix_cache import harness
+from tests.models.hybrid_prefix_cache.scheduler.engine import Engine
+from tests.models.hybrid_prefix_cache.scheduler.play import TurnResult, units_of
+from tests.models.hybrid_prefix_cache.scheduler.servers import ReplayServer
+
+
+def check_geometry(engine: Engine, mode: harness.Mode) -> harness.Units:
+    """The harness's reading of the server's cache_config_info labels must
+    give the hit unit the engine aligns hits to."""
+    units = units_of(engine, mode)
+    geometry = engine.geometry
+    assert units.hit == engine.hit_unit, (
+        f"the harness reads hit unit {units.hit} from block_size="
+        f"{geometry.attention_block}, mamba_block_size={geometry.mamba_block}, "
+        f"prefix_match_unit={mode.prefix_match_unit}, but vLLM aligns hits to "
+        f"{engine.hit_unit} (cache_hit_alignment_tokens)"
+    )
+    return units
+
+
+def turn_problems(
+    results: Sequence[TurnResult],
+    units: harness.Units,
+    mode: harness.Mode,
+    deployment: harness.Deployment,
+) -> tuple[list[str], list[str]]:
+    """(the turn table, every way a turn disagrees with the harness)."""
+    backoff = deployment.cache_backoff
+    rule = mode.drafting(deployment.instances[0])
+    rows = [
+        f"{'conversation':<14} {'turn':>6} {'prompt':>6} {'vLLM hit':>8} "
+        f"{'expected':>8} {'bound':>6} {'recompute':>9}"
+    ]
+    problems = []
+    for result in results:
+        turn = result.planned
+        expected, bound = harness.rules.expectation(
+            turn, units.hit, rule.drops_unit, backoff, rule.lookahead
+        )
+        what = "resend" if turn.resend else f"turn {turn.index}"
+        name = f"{result.conversation} {what}".strip()
+        rows.append(
+            f"{result.conversation or '-':<14} "
+            f"{'resend' if turn.resend else turn.index:>6} {turn.prompt_len:>6} "
+            f"{result.hit:>8} {expected:>8} {bound:>6} "
+            f"{'-' if result.recompute_hit is None else result.recompute_hit:>9}"
+        )
+        if result.hit != expected:
+            problems.append(
+                f"{name}: vLLM's scheduler hits {result.hit}, the harness expects "
+                f"{expected} (prompt {turn.prompt_len}, previous {turn.prev_len}, "
+                f"hit unit {units.hit}, drafter {rule}, "
+                f"backoff {backoff})"
+            )
+        prev_seen = max(turn.prev_len - backoff, 0)
+        why = harness.rules.impossible_hit(
+            result.hit, prev_seen, turn.prompt_len - backoff, units.hit
+        )
+        if why or result.hit > bound:
+            problems.append(f"{name}: beyond the harness's bound {bound}: {why}")
+        if result.recompute_hit not in (None, 0):
+            problems.append(
+                f"{name}: the recompute under a fresh salt hit {result.recompute_hit}"
+            )
+    return rows, problems
+
+
+def case_problems(
+    servers: Sequence[ReplayServer],
+    results: Sequence[TurnResult],
+    units: harness.Units,
+    mode: harness.Mode,
+    deployment: harness.Deployment,
+) -> tuple[list[str], list[str]]:
+    """(the turn table, every way the case disagrees with the harness): its
+    turns (:func:`turn_problems`), each server's counters, and the
+    completions the harness routes to each server."""
+    rows, problems = turn_problems(results, units, mode, deployment)
+    turns = []
+    for result in results:
+        turn = harness.compare.Turn(
+            result.conversation, result.planned.index, result.planned.prompt_len, 0, 0
+        )
+        if result.recompute_hit is not None:
+            # Only whether there was one matters to expected_requests.
+            turn.recompute = harness.compare.Sample([], "", [], [], 0, 0)
+        turns.append(turn)
+    routes = harness.reconcile.expected_requests(len(servers), turns)
+    for server, route in zip(servers, routes):
+        problems += server.counter_problems()
+        if server.ledger.requests != route:
+            problems.append(
+                f"{server.name} server answered {server.ledger.requests} "
+                f"completions, the harness routes {route} to it"
+            )
+    return rows, problems
+
+
+def check_case(
+    case_id: str,
+    servers: Sequence[ReplayServer],
+    results: Sequence[TurnResult],
+    units: harness.Units,
+    mode: harness.Mode,
+    deployment: harness.Deployment,
+) -> None:
+    rows, problems = case_problems(servers, results, units, mode, deployment)
+    table = "\n".join(rows)
+    counters = "\n".join(
+        f"{server.name}: {server.ledger} moved {server.moved}" for server in servers
+    )
+    print(f"\n== {case_id}: hit unit {units.hit}, block {units.block}\n{table}")
+    assert not problems, (
+        f"{case_id}:\n" + "\n".join(problems) + f"\n{table}\n{counters}"
+    )
+
+
+def counter_problems(servers: Sequence[ReplayServer]) -> list[str]:
+    return [p for server in servers for p in server.counter_problems()]
+
+
+def controls(recompute_hit: int, servers: Sequence[ReplayServer]) -> list[str]:
+    """What every workload holds besides its property: its recompute under
+    a fresh salt hits nothing, and each server's counters obey the rule."""
+    found = [f"the recompute hit {recompute_hit}"] if recompute_hit else []
+    return found + counter_problems(servers)

@@ -1,0 +1,246 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Unit tests of known failures and case records: expect_known by evidence
+and geometry, the CPU table's shared failures, a refusal at start, evidence
+that stops a case, and how records explain and print. No server, any
+platform."""
+
+from dataclasses import replace
+
+import pytest
+
+from tests.models.hybrid_prefix_cache import harness
+from tests.models.hybrid_prefix_cache.harness import (
+    Binding,
+    CaseRecord,
+    Deployment,
+    Known,
+    Mode,
+    ServerPool,
+    Suite,
+    Units,
+    run_case,
+)
+from tests.models.hybrid_prefix_cache.harness.cases import (
+    expect_known,
+)
+from tests.models.hybrid_prefix_cache.harness.compare import (
+    Sample,
+    Turn,
+    first_divergence,
+)
+from tests.models.hybrid_prefix_cache.harness.deployment import (
+    select_known,
+)
+from tests.models.hybrid_prefix_cache.harness.servers import (
+    REPORT_DIR_ENV,
+    ServerError,
+)
+
+
+def _sample(tokens, logprobs):
+    return Sample(
+        token_ids=tokens,
+        text="",
+        token_logprobs=logprobs,
+        top_logprobs=[{t: lp} for t, lp in zip(tokens, logprobs)],
+        prompt_tokens=10,
+        cached_tokens=0,
+    )
+
+
+def test_first_divergence():
+    a = _sample([5, 6, 7], [-0.1, -0.2, -0.3])
+    assert first_divergence(a, a) == ""
+    b = _sample([5, 9, 7], [-0.1, -0.5, -0.3])
+    message = first_divergence(a, b)
+    assert "index 1" in message and "6:-0.2000" in message and "9:-0.5000" in message
+
+
+def test_expect_known():
+    bug = Known("xfail", "a bug", evidence="kernel_x")
+    with pytest.raises(pytest.xfail.Exception, match="a bug"), expect_known("c", bug):
+        raise AssertionError("... kernel_x failed ...")
+    with (
+        pytest.raises(AssertionError, match="without 'kernel_x'"),
+        expect_known("c", bug),
+    ):
+        raise AssertionError("something else")
+    with pytest.raises(pytest.fail.Exception, match="XPASS"), expect_known("c", bug):
+        pass
+    refused = Known("unsupported", "not on CPU", evidence="no streams")
+    with (
+        pytest.raises(pytest.skip.Exception, match="not on CPU"),
+        expect_known("c", refused),
+    ):
+        raise AssertionError("server log: no streams here")
+    with expect_known("c", None):
+        pass
+    with pytest.raises(ValueError):
+        Known("maybe", "r", "e")
+    with pytest.raises(ValueError, match="config time"):
+        Known("xfail", "r", "e", at_config=True)
+
+
+def _record(problem: str | None, units: Units | None) -> CaseRecord:
+    """A case's record, failing with ``problem`` unless it is None."""
+    return CaseRecord("c", units=units, problems=[] if problem is None else [problem])
+
+
+def test_expect_known_by_geometry():
+    """An entry with a geometry holds only where the servers reported it;
+    a listed case fails by its record's problems or by an exception."""
+    at256 = Known("xfail", "lost", evidence="cached 0 <", geometry=(256, 256))
+    big, small = Units(block=256, hit=256), Units(block=128, hit=128)
+    with pytest.raises(pytest.xfail.Exception), expect_known("c", (at256,)) as run:
+        run.record = _record("turn 1: cached 0 < expected checkpoint 512", big)
+    assert run.record.verdict == "known xfail"
+    with expect_known("c", (at256,)) as run:
+        # Not listed at this geometry: the record is the caller's to assert.
+        run.record = _record("turn 1: cached 0 < expected checkpoint 256", small)
+    assert run.record.verdict == "" and not run.record.ok
+    with (
+        pytest.raises(AssertionError, match="update the table"),
+        expect_known("c", (at256,)) as run,
+    ):
+        run.record = _record("turn 1: lost", big)
+    assert run.record.verdict == "FAIL: stale table"
+    refused = Known("unsupported", "no", evidence="streams", geometry=(256, 256))
+    with pytest.raises(pytest.skip.Exception), expect_known("c", (refused,)) as run:
+        run.record = _record(None, big)
+        raise AssertionError("no streams")
+    assert run.record.verdict == "known refusal"
+    with pytest.raises(AssertionError, match="no streams"), expect_known("c", ()):
+        raise AssertionError("no streams")
+    with (
+        pytest.raises(pytest.fail.Exception, match="XPASS"),
+        expect_known("c", (at256,)) as run,
+    ):
+        run.record = _record(None, big)
+    assert run.record.verdict == "FAIL: XPASS"
+    with expect_known("c", (at256,)) as run:
+        run.record = _record(None, small)
+    with pytest.raises(ValueError, match="several"):
+        select_known((at256, at256), big)
+    assert select_known((at256,), None) is None
+
+
+def test_record_explains_its_problems():
+    record = _record(None, Units(block=256, hit=64))
+    assert record.ok
+    turn = Turn("conv", 2, 900, 700, 512, bound=640)
+    turn.problems.append("turn 2: cached 0 < expected checkpoint 512")
+    record.turns.append(turn)
+    assert not record.ok
+    text = record.explain()
+    assert text.startswith("c: 1 problem(s)\nturn 2: cached 0 < expected")
+    assert "== c: hit unit 64, block 256" in text and "FAIL" in text
+
+
+def test_cpu_concurrent_cases_play_the_shapes_that_pass_alone():
+    """A concurrent case plays the sweep shapes that pass on their own at
+    the geometry its servers resolve to, and expects them all to pass."""
+    from tests.models.hybrid_prefix_cache.cpu_known import MATRIX
+
+    at256, at128 = Units(block=256, hit=256), Units(block=128, hit=128)
+    block = "plain-block-concurrent"
+    assert MATRIX.concurrent_shapes(block, at256) == ("plus1", "tail37")
+    shapes = MATRIX.concurrent_shapes(block, at128)
+    assert "exact" in shapes and "unit-minus1" not in shapes
+    assert MATRIX.known_for(block) == ()
+    partial = "plain-partial-concurrent"
+    for units in (at256, at128, None):
+        assert len(MATRIX.concurrent_shapes(partial, units)) == 7
+    assert MATRIX.known_for(partial) == ()
+    assert MATRIX.concurrent_shapes("plain-block", at256) == ()
+
+
+def test_cpu_shared_failures_name_a_case_that_confirms_them():
+    """A cell that skips because another confirms its failure names a case
+    that runs on this machine, expects the same failure and confirms it
+    itself; and each mechanism is confirmed somewhere."""
+    from tests.models.hybrid_prefix_cache import cpu_binding as cpu
+    from tests.models.hybrid_prefix_cache import cpu_known
+
+    matrix = cpu_known.MATRIX
+    runnable = {c for c in matrix.cases if cpu_known.core_shortage(c) is None}
+    shared = {
+        case_id: known
+        for case_id in matrix.cases
+        for known in matrix.known_for(case_id)
+        if known.confirmed_by is not None
+    }
+    assert {k.confirmed_by for k in shared.values()} == {
+        "plain-block-ngram",
+        "offload-block",
+        "dp2-ep-block",
+    }
+    for case_id, known in shared.items():
+        confirmer = known.confirmed_by
+        assert confirmer in runnable, (case_id, confirmer)
+        expected = replace(known, confirmed_by=None)
+        assert expected in matrix.known_for(confirmer), (case_id, confirmer)
+    refused_at_config = [
+        case_id
+        for case_id in matrix.cases
+        if any(k.at_config for k in matrix.known_for(case_id))
+    ]
+    assert sorted(refused_at_config) == sorted(
+        f"{d}-{m}" for d in ("dcp2", "dcp2-offload") for m in cpu.MODES
+    )
+
+
+class _RefusingPool(ServerPool):
+    """A pool whose servers refuse to start, as a server that exits during
+    startup does (ServerError, with the whole log)."""
+
+    def acquire(self, binding, deployment, mode):
+        raise ServerError("the serve server exited with code 1", "log: no streams")
+
+
+def test_a_refusal_at_start_is_judged_and_summarized(tmp_path, monkeypatch):
+    """A case whose servers refuse to start is judged by its known entry
+    (the evidence may be in the server's log) and lands in the suite's
+    records with the summary's verdict; unlisted, the error propagates."""
+    monkeypatch.setenv(REPORT_DIR_ENV, str(tmp_path))
+    suite = Suite(pool=_RefusingPool())
+    binding = Binding(model="m", base_args=(), token_ids=(10, 20), env={})
+    refused = Known("unsupported", "not on CPU", evidence="no streams")
+    with pytest.raises(pytest.skip.Exception, match="not on CPU"):
+        run_case(suite, "c", binding, Deployment(), Mode(), known=(refused,))
+    with pytest.raises(ServerError, match="exited with code 1"):
+        run_case(suite, "d", binding, Deployment(), Mode())
+    outcomes = [(r.case_id, r.outcome, r.verdict) for r in suite.records]
+    assert outcomes == [
+        ("c", "error: ServerError", "known refusal"),
+        ("d", "error: ServerError", ""),
+    ]
+
+
+def test_records_and_suites_print_in_one_line():
+    """What pytest shows of a failed ``assert record.ok`` and of the
+    fixture: one line each, not every sample of every turn."""
+    record = _record("turn 1: lost", Units(block=256, hit=256))
+    record.turns.append(Turn("conv", 1, 900, 700, 512, bound=640, prompt=[5] * 900))
+    record.outcome = "FAIL"
+    assert repr(record) == "CaseRecord('c': FAIL, 1 turns)"
+    suite = Suite()
+    suite.records.append(record)
+    assert repr(suite) == "Suite(1 case records, 0 server starts)"
+
+
+def test_a_known_bug_stops_its_case_once_its_evidence_shows():
+    bug = Known("xfail", "a bug", evidence="turn 1: cached 0", in_record=True)
+    record = CaseRecord("plain-block-exact")
+    seen = harness.cases.evidence_seen(bug, record)
+    turns = [Turn("exact", 0, 768, 0, 0), Turn("exact", 1, 1545, 768, 512)]
+    assert seen is not None and not seen(turns)
+    turns[1].problems.append("exact turn 1: cached 0 < expected checkpoint 512")
+    assert seen(turns)
+    assert "stopped after exact turn 1" in record.notices[0]
+    # A crash, a refusal, no entry: every turn is played.
+    crash = Known("xfail", "a crash", evidence="Traceback")
+    assert harness.cases.evidence_seen(crash, record) is None
+    refusal = Known("unsupported", "refused", evidence="x", in_record=True)
+    assert harness.cases.evidence_seen(refusal, record) is None
+    assert harness.cases.evidence_seen(None, record) is None

@@ -1,0 +1,427 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""A client aborts a cold prefill mid-way and retries: the retry resumes
+from what the aborted steps wrote and no further (vLLM #56525 loaded a state
+no step wrote)."""
+
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tests.models.hybrid_prefix_cache.harness.cases import serve_case
+from tests.models.hybrid_prefix_cache.harness.client import (
+    MAX_TOKENS,
+    PREFILL_KV_TRANSFER_PARAMS,
+    complete,
+    give_up,
+    poll_counters,
+    read_counters,
+    send,
+)
+from tests.models.hybrid_prefix_cache.harness.compare import Turn
+from tests.models.hybrid_prefix_cache.harness.conversation import (
+    finish_turns,
+    fresh_salt,
+    planned_turn,
+    random_tokens,
+    recompute_turn,
+    send_turn,
+)
+from tests.models.hybrid_prefix_cache.harness.deployment import Deployment, Units
+from tests.models.hybrid_prefix_cache.harness.reconcile import (
+    FIRST_TOKENS,
+    PREFIX_QUERIES,
+    REQUESTS_DONE,
+    aborted_entry,
+    counter_deltas,
+    ledger_entry,
+)
+from tests.models.hybrid_prefix_cache.harness.records import (
+    CaseRecord,
+    reported_case,
+)
+from tests.models.hybrid_prefix_cache.harness.rules import (
+    FIRST_PROMPT_BLOCKS,
+    FIRST_PROMPT_TAIL,
+    PlannedTurn,
+    prompt_end_checkpoint,
+)
+from tests.models.hybrid_prefix_cache.harness.workload import Workload, WorkloadRun
+from tests.models.hybrid_prefix_cache.scheduler.cell import ReplayCell, Setting
+from tests.models.hybrid_prefix_cache.scheduler.judge import controls
+from tests.models.hybrid_prefix_cache.scheduler.play import _hit_and_recompute
+from tests.models.hybrid_prefix_cache.scheduler.servers import (
+    STEP_LIMIT,
+    EngineLoop,
+    ReplayServer,
+)
+from vllm.v1.request import RequestStatus
+
+
+def abort_length(units: Units, budget: int) -> int:
+    """A prompt whose prefill takes at least two steps under ``budget``
+    tokens a step, so that an abort can land between them."""
+    return (
+        max(budget, FIRST_PROMPT_BLOCKS * units.block) + units.block + FIRST_PROMPT_TAIL
+    )
+
+
+# The client gives up after this fraction of a cold request's time on the
+# same server; a try that missed mid-prefill waits twice as long or half.
+ABORT_AFTER_FRACTION = 0.25
+ABORT_ATTEMPTS = 4
+
+
+def abort_retry_length(units: Units, budget: int) -> int:
+    """The real server's prompt: its checkpoint, the last block boundary within
+    ``budget``, ends the first chunk (Scheduler._mamba_block_aligned_split,
+    last_cache_position), and the tail takes a second step."""
+    return budget // units.block * units.block + FIRST_PROMPT_TAIL
+
+
+def abort_landing(
+    queried: float, first_tokens: float, prompt_len: int, answered: int = 1
+) -> str:
+    """Where an abort landed, from the counters over the aborted request and the
+    ``answered`` requests after it: "before admission" (prefix_cache_queries
+    count a prompt at admission), "after the prefill" (a first token was
+    sampled) or "mid-prefill"."""
+    if queried < (answered + 1) * prompt_len:
+        return "before admission"
+    if first_tokens > answered:
+        return "after the prefill"
+    return "mid-prefill"
+
+
+def abort_checkpoint(landed: str, prompt_len: int, units: Units, drops: bool) -> int:
+    """What the retry must hit: nothing where the abort preceded admission, else
+    the prompt's checkpoint, which the first chunk published when scheduled
+    (MambaManager.cache_blocks) and a synchronous engine ran before it took the
+    abort (EngineCore.step)."""
+    if landed == "before admission":
+        return 0
+    return prompt_end_checkpoint(prompt_len, units.hit, drops)
+
+
+def abort_problems(
+    hit: int, written: int, in_flight: int, prompt_len: int, units: Units
+) -> list[str]:
+    """Why the retry's ``hit`` cannot be real: the engine completes the steps
+    scheduled before the abort (EngineCore.step_with_batch_queue), so the retry
+    may resume from the ``written`` and ``in_flight`` tokens and no others."""
+    problems = []
+    if hit % units.hit:
+        problems.append(f"retry cached {hit}, not a multiple of the hit unit")
+    if hit > written + in_flight:
+        problems.append(
+            f"retry cached {hit} > the {written + in_flight} tokens the aborted "
+            f"request's steps wrote ({written} processed, {in_flight} in flight, "
+            f"of {prompt_len}): a published boundary was never written"
+        )
+    return problems
+
+
+def overlap_problems(
+    hit: int, written: int, prompt_len: int, units: Units
+) -> list[str]:
+    """Why an overlapping retry's ``hit`` cannot be real: a step writes the states
+    its chunks publish only as it runs, so the retry may resume from the
+    ``written`` tokens scheduled before its own step and no others
+    (MambaManager.get_num_blocks_to_allocate, cached_blocks_this_step)."""
+    problems = []
+    if hit % units.hit:
+        problems.append(f"retry cached {hit}, not a multiple of the hit unit")
+    if hit > written:
+        problems.append(
+            f"retry cached {hit} > the {written} tokens of the {prompt_len}-token "
+            f"prompt that the original's steps before the retry's own had "
+            f"written: it resumed from a state its own step publishes"
+        )
+    return problems
+
+
+def play(run: WorkloadRun) -> CaseRecord:
+    """A client gives up on a cold request mid-prefill and retries it at once,
+    played as a turn. The prompt's checkpoint ends its first chunk under the
+    budget vLLM resolves for the caching instance; the counters say where the
+    abort landed, and a try that missed mid-prefill gives up earlier or later."""
+    __tracebackhide__ = True
+    case_id, binding, deployment, mode = (
+        run.case_id,
+        run.binding,
+        run.deployment,
+        run.mode,
+    )
+    budget = run.needs_in_process().budget(deployment, mode)
+    with (
+        reported_case(case_id, run.suite.records) as record,
+        serve_case(record, binding, deployment, mode, run.suite.pool) as play,
+    ):
+        servers, model = play.servers, binding.model
+        caching, pd = servers[0], len(servers) > 1
+        seen = abort_retry_length(play.units, budget)
+        length = seen + deployment.cache_backoff
+        prompt = random_tokens(random.Random(case_id), binding.token_ids, length)
+        clocks = [
+            Turn("clock", index, length, 0, 0, prompt=prompt, salt=fresh_salt("clock"))
+            for index in range(2)
+        ]
+        for clock in clocks:
+            record.turns.append(clock)
+            start = time.monotonic()
+            clock.output = send(servers, model, prompt, clock.salt)
+            clock.seconds = time.monotonic() - start
+        took = min(clock.seconds for clock in clocks)
+        after = ABORT_AFTER_FRACTION * took
+        # Under P/D, the client gives up on the prefill leg.
+        leg = {"max_tokens": 1, "kv_transfer_params": PREFILL_KV_TRANSFER_PARAMS}
+        for attempt in range(ABORT_ATTEMPTS):
+            before = read_counters(caching)
+            salt = fresh_salt("abort")
+            answered = give_up(
+                caching, model, prompt, salt, after, **(leg if pd else {})
+            )
+            if answered is not None:
+                if pd:
+                    # Its decode leg follows, as through the deployment.
+                    answered = complete(
+                        servers[-1],
+                        model,
+                        prompt,
+                        salt,
+                        kv_transfer_params=answered.kv_transfer_params,
+                    )
+                # Answered before the client gave up: a cold request.
+                record.turns.append(
+                    Turn("answered", attempt, length, 0, 0, output=answered)
+                )
+            retry = planned_turn(play, "retry", PlannedTurn(attempt, length, length))
+            record.turns.append(retry)
+            send_turn(play, retry, prompt, salt)
+            # Counted once the retry's (and its twin's) stats are exported.
+            sent = 1 + (retry.twin is not None)
+            done = (before[REQUESTS_DONE] or 0.0) + sent + (answered is not None)
+            now = poll_counters(caching, REQUESTS_DONE, lambda v, d=done: v >= d)
+            moved = counter_deltas(now, before)
+            landed = "answered"
+            if answered is None:
+                queried, first_tokens = moved[PREFIX_QUERIES], moved[FIRST_TOKENS]
+                landed = abort_landing(
+                    queried or 0.0, first_tokens or 0.0, seen, answered=sent
+                )
+                if landed != "before admission":
+                    caching.record(aborted_entry(seen))
+            retry.expected = abort_checkpoint(landed, seen, play.units, mode.drops_unit)
+            recompute_turn(play, retry)
+            record.notices.append(
+                f"attempt {attempt}: the client gave up after {after * 1e3:.0f} ms "
+                f"(a cold request took {took * 1e3:.0f} ms): {landed}; the retry "
+                f"cached {retry.restored}"
+            )
+            if landed == "mid-prefill":
+                break
+            after = after * 2 if landed == "before admission" else after / 2
+        else:
+            record.problems.append(
+                f"abort-retry: no abort of the {seen}-token prompt landed "
+                f"mid-prefill in {ABORT_ATTEMPTS} attempts (the notices say "
+                f"where each did)"
+            )
+        finish_turns(play, record.turns)
+        if not record.ok:
+            record.problems.append(
+                WORKLOAD.failure(
+                    f"a {length}-token prompt, its first chunk of {budget} tokens "
+                    f"a step ending on its checkpoint"
+                )
+            )
+    return record
+
+
+def _in_flight(loop: EngineLoop, request_id: str) -> int:
+    """Tokens of ``request_id`` scheduled in steps whose outputs the engine
+    has not processed yet (asynchronous scheduling keeps one in flight)."""
+    return sum(
+        output.num_scheduled_tokens.get(request_id, 0) for output, _ in loop.queue
+    )
+
+
+@dataclass(frozen=True)
+class AbortRetry:
+    prompt_len: int
+    # Tokens computed by processed steps at the abort, and in flight.
+    written: int
+    in_flight: int
+    hit: int
+    recompute_hit: int
+
+
+def play_abort_retry(
+    servers: Sequence[ReplayServer],
+    deployment: Deployment,
+    prompt_len: int,
+    seed: str,
+    token_ids: tuple[int, int],
+) -> AbortRetry:
+    """A cold request aborted mid-prefill as the API server aborts it
+    (Scheduler.finish_requests), then the same prompt and salt at once, and its
+    recompute. Asynchronously (no P/D) the abort lands with the chunk that
+    publishes the last checkpoint in flight (vLLM #56525's race); otherwise
+    after the first chunk."""
+    prompt = random_tokens(random.Random(seed), token_ids, prompt_len)
+    salt = f"abort-{seed}"
+    first = servers[0]
+    sent = None if len(servers) == 1 else PREFILL_KV_TRANSFER_PARAMS
+    aborted = first.submit(prompt, salt, 1 if sent else MAX_TOKENS, sent)
+    loop = first.routed[aborted.request_id]
+    # num_computed_tokens counts a step in flight.
+    race = loop.depth > 1 and sent is None
+    until = prompt_len if race else 1
+    request = None
+    while request is None or request.num_computed_tokens < until:
+        assert first.step(), "the aborted request was never scheduled"
+        request = loop.scheduler.requests.get(aborted.request_id)
+        assert request is not None, "the request finished before it was aborted"
+    in_flight = _in_flight(loop, aborted.request_id)
+    written = request.num_computed_tokens - in_flight
+    assert written < prompt_len, "the abort did not land mid-prefill"
+    loop.scheduler.finish_requests([aborted.request_id], RequestStatus.FINISHED_ABORTED)
+    # Its prompt was looked up and counted at admission; it was cold.
+    first.ledger += ledger_entry(prompt_len, 0, sent)
+    if not race:
+        first.drain()
+    _, hit, recomputed, _ = _hit_and_recompute(
+        servers, deployment, prompt, salt, f"recompute-{seed}"
+    )
+    for server in servers:
+        server.drain()
+    return AbortRetry(prompt_len, written, in_flight, hit, recomputed)
+
+
+@dataclass(frozen=True)
+class OverlappingRetry:
+    prompt_len: int
+    # The original's tokens scheduled before the retry's first step, and
+    # how far it had got when aborted.
+    written: int
+    aborted_at: int
+    hit: int
+    recompute_hit: int
+
+
+def play_overlapping_retry(
+    servers: Sequence[ReplayServer],
+    deployment: Deployment,
+    prompt_len: int,
+    seed: str,
+    token_ids: tuple[int, int],
+) -> OverlappingRetry:
+    """A retry sent while its original still prefills, then the original aborted,
+    under one salt: the retry is admitted beside one of the original's chunks,
+    possibly the one that publishes the last checkpoint and writes it only as
+    it runs. Then its recompute."""
+    prompt = random_tokens(random.Random(seed), token_ids, prompt_len)
+    salt = f"overlap-{seed}"
+    first = servers[0]
+    sent = None if len(servers) == 1 else PREFILL_KV_TRANSFER_PARAMS
+    max_tokens = 1 if sent else MAX_TOKENS
+    original = first.submit(prompt, salt, max_tokens, sent)
+    loop = first.routed[original.request_id]
+    # Round-robin under DP: a short request for each other engine.
+    filler = random_tokens(random.Random(f"{seed}-pad"), token_ids, 8)
+    pads = [
+        first.submit(filler, f"pad-{seed}-{rank}", 1)
+        for rank in range(1, len(first.loops))
+    ]
+    assert first.step(), "the original was never scheduled"
+    retry = first.submit(prompt, salt, max_tokens, sent)
+    assert first.routed[retry.request_id] is loop, "the retry went to another engine"
+    scheduler = loop.scheduler
+    written = 0
+    for _ in range(STEP_LIMIT):
+        state = scheduler.requests.get(original.request_id)
+        written = state.num_computed_tokens if state is not None else prompt_len
+        assert first.step(), "the retry was never scheduled"
+        request = scheduler.requests.get(retry.request_id)
+        # Scheduled, or finished (a one-token prefill leg).
+        if request is None or request.status != RequestStatus.WAITING:
+            break
+    else:
+        raise AssertionError(f"the retry was not scheduled in {STEP_LIMIT} steps")
+    state = scheduler.requests.get(original.request_id)
+    aborted = state is not None and not original.finished
+    aborted_at = state.num_computed_tokens if aborted else prompt_len
+    if aborted:
+        scheduler.finish_requests([original.request_id], RequestStatus.FINISHED_ABORTED)
+        # Its prompt was looked up and counted at admission; it was cold.
+        first.ledger += ledger_entry(prompt_len, 0, sent)
+    first.finish(retry)
+    assert retry.cached_tokens is not None
+    hit = retry.cached_tokens
+    # Under P/D, the decode leg of each prefill that finished.
+    for completion in (retry,) if aborted else (original, retry):
+        first.settle(completion, sent)
+        if sent is not None:
+            params = completion.kv_transfer_params
+            servers[-1].complete(prompt, salt, kv_transfer_params=params)
+    for pad in pads:
+        first.settle(pad, None)
+    first.drain()
+    recompute = servers[-1].complete(prompt, f"recompute-{seed}")
+    assert recompute.cached_tokens is not None
+    for server in servers:
+        server.drain()
+    return OverlappingRetry(
+        prompt_len, written, aborted_at, hit, recompute.cached_tokens
+    )
+
+
+def replay(cell: ReplayCell, scheduling: str) -> None:
+    """An abort after the first chunk was scheduled, then the retry: it never
+    resumes past what the aborted request's steps wrote, and the counters
+    count the aborted request once; under asynchronous scheduling the abort
+    lands with a step in flight. Then a retry sent while the original still
+    prefills, the original aborted after it: the retry never resumes from a
+    state its own step publishes."""
+    setting = Setting(async_scheduling=scheduling == "async")
+    for kda, alignment in cell.kda_checkpoints.items():
+        engines = cell.scheduling_engines(setting, alignment)
+        units, servers = cell.servers_of(engines)
+        budget = engines[0].vllm_config.scheduler_config.max_num_batched_tokens
+        prompt_len = abort_length(units, budget)
+        result = play_abort_retry(
+            servers, cell.deployment, prompt_len, cell.cell_id, cell.token_ids
+        )
+        problems = abort_problems(
+            result.hit, result.written, result.in_flight, prompt_len, units
+        )
+        problems += controls(result.recompute_hit, servers)
+        cell.fail(WORKLOAD, problems, f"{kda} {result}")
+        # The retry sent while the original still prefills, then the abort.
+        units, servers = cell.servers_of(engines)
+        overlap = play_overlapping_retry(
+            servers, cell.deployment, prompt_len, cell.cell_id, cell.token_ids
+        )
+        problems = overlap_problems(overlap.hit, overlap.written, prompt_len, units)
+        problems += controls(overlap.recompute_hit, servers)
+        cell.fail(WORKLOAD, problems, f"{kda} {overlap}")
+
+
+WORKLOAD = Workload(
+    "abort-retry",
+    "a retry after an abort matches its recompute",
+    "v1/core/sched/scheduler.py Scheduler.finish_requests, "
+    "v1/core/single_type_kv_cache_manager.py MambaManager.cache_blocks "
+    "(a state is published when its chunk is scheduled), "
+    "v1/engine/core.py EngineCore.step_with_batch_queue (the steps "
+    "scheduled before the abort complete), MambaManager."
+    "get_num_blocks_to_allocate (a retry admitted beside the original "
+    "is held back from a state published in its own step, "
+    "cached_blocks_this_step); on a real server, EngineCore.step (a "
+    "synchronous engine runs the step it scheduled before it takes "
+    "the abort)",
+    play=play,
+    replay=replay,
+    variants=("sync", "async"),
+)

@@ -1,0 +1,117 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""An exact resend under P/D: it hits its own checkpoint on the prefiller,
+is answered, and the decoder's own cache follows the rule of its role."""
+
+from typing import TYPE_CHECKING
+
+from tests.models.hybrid_prefix_cache.harness.cases import run_resend
+from tests.models.hybrid_prefix_cache.harness.compare import Turn
+from tests.models.hybrid_prefix_cache.harness.conversation import (
+    Play,
+    reference_conversation,
+    shape_length,
+)
+from tests.models.hybrid_prefix_cache.harness.deployment import Units
+from tests.models.hybrid_prefix_cache.harness.reconcile import decoder_resend_hit
+from tests.models.hybrid_prefix_cache.harness.records import CaseRecord
+from tests.models.hybrid_prefix_cache.harness.rules import PD_PREFILL_BACKOFF
+from tests.models.hybrid_prefix_cache.harness.workload import Workload, WorkloadRun
+
+if TYPE_CHECKING:
+    from tests.models.hybrid_prefix_cache.scheduler.cell import ReplayCell
+
+
+def resend_length(units: Units) -> int:
+    """The part the prefiller sees, less the tokens the decoder recomputes
+    (nixl/base_scheduler.py _truncate_request_for_prefill; vLLM #53514),
+    ends on a block, so every block of it is cached there."""
+    return shape_length("exact", units) + PD_PREFILL_BACKOFF
+
+
+def decoder_problems(resend: Turn, play: Play) -> list[str]:
+    """The decoder's own hit for the resend is its role's rule
+    (:func:`decoder_resend_hit`)."""
+    assert resend.output is not None
+    hit = resend.output.decoder_hit
+    deployment = play.deployment
+    expected = decoder_resend_hit(resend.prompt_len, play.units, play.mode, deployment)
+    if hit == expected:
+        return []
+    if expected:
+        why = (
+            f"{expected}, what its decode of the same {resend.prompt_len}-token "
+            f"prompt cached up to the resend's checkpoint"
+        )
+    elif deployment.offload:
+        why = "0: its device cache was reset before the resend"
+    else:
+        why = "0: it keeps no prefix cache"
+    return [f"resend: the decoder's own cache hit {hit} tokens, not {why}"]
+
+
+def play(run: WorkloadRun) -> CaseRecord:
+    __tracebackhide__ = True
+    return run_resend(
+        run.suite,
+        run.case_id,
+        run.binding,
+        run.deployment,
+        run.mode,
+        resend_length,
+        WORKLOAD,
+        decoder_problems,
+    )
+
+
+def replay(cell: "ReplayCell") -> None:
+    """Resends of a prompt ending on a block, of one whose prefilled part
+    does, and of the reference prompt: each hits its own checkpoint on the
+    prefiller, and the decoder's own cache follows its role's rule."""
+    # The scheduler tier's vLLM, which the GPU tier's release may lack.
+    from tests.models.hybrid_prefix_cache.scheduler.judge import case_problems
+    from tests.models.hybrid_prefix_cache.scheduler.play import play_resend
+
+    for kda, alignment in cell.kda_checkpoints.items():
+        engines = cell.engines(kda=alignment)
+        units, _ = cell.servers_of(engines)
+        aligned = shape_length("exact", units)
+        lengths = (
+            aligned,
+            aligned + cell.deployment.cache_backoff,
+            reference_conversation(units, "").first_len,
+        )
+        for prompt_len in lengths:
+            units, servers = cell.servers_of(engines)
+            results = play_resend(
+                servers, cell.deployment, prompt_len, cell.cell_id, cell.token_ids
+            )
+            rows, problems = case_problems(
+                servers, results, units, cell.mode, cell.deployment
+            )
+            expected = decoder_resend_hit(prompt_len, units, cell.mode, cell.deployment)
+            if results[-1].decoder_hit != expected:
+                problems.append(
+                    f"resend of {prompt_len} tokens: the decoder's own cache hit "
+                    f"{results[-1].decoder_hit}, its role's rule says {expected} "
+                    f"(harness.decoder_resend_hit)"
+                )
+            cell.fail(WORKLOAD, problems, f"{kda}\n" + "\n".join(rows))
+
+
+WORKLOAD = Workload(
+    "pd-resend",
+    "an exact resend under P/D hits its own checkpoint on the "
+    "prefiller and is answered, and the decoder's counters follow the "
+    "rule for its role",
+    "distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py "
+    "(the truncation in on_new_request), v1/kv_cache_interface.py "
+    "get_mamba_prefill_checkpoint_position, nixl/pull_scheduler.py "
+    "NixlPullScheduler.get_num_new_matched_tokens (the decoder pulls "
+    "what its own cache does not hold)",
+    play=play,
+    replay=replay,
+    applies=lambda deployment, mode: deployment.prefill is not None,
+    # A cold request, then the resend with its recompute.
+    turns=2,
+)

@@ -1,0 +1,171 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Siblings of a shared system prompt that ends inside a block: the first
+computes it, the second finds the junction (its attention blocks hit past
+any Mamba state) and caches the state there, every later one resumes at the
+junction's checkpoint."""
+
+import random
+from collections.abc import Sequence
+
+from tests.models.hybrid_prefix_cache.harness.cases import serve_case
+from tests.models.hybrid_prefix_cache.harness.conversation import (
+    finish_turns,
+    fresh_salt,
+    planned_turn,
+    play_turn,
+    random_tokens,
+)
+from tests.models.hybrid_prefix_cache.harness.deployment import Units
+from tests.models.hybrid_prefix_cache.harness.records import (
+    CaseRecord,
+    reported_case,
+)
+from tests.models.hybrid_prefix_cache.harness.rules import (
+    FIRST_PROMPT_TAIL,
+    PlannedTurn,
+    hit_bound,
+    prompt_end_checkpoint,
+)
+from tests.models.hybrid_prefix_cache.harness.workload import Workload, WorkloadRun
+from tests.models.hybrid_prefix_cache.scheduler.cell import ReplayCell
+from tests.models.hybrid_prefix_cache.scheduler.judge import counter_problems
+from tests.models.hybrid_prefix_cache.scheduler.play import send
+from tests.models.hybrid_prefix_cache.scheduler.servers import ReplayServer
+
+NUM_SIBLINGS = 4
+SHARED_PREFIX_BLOCKS = 2.5
+
+
+def shared_prefix_length(units: Units) -> int:
+    """Two and a half blocks: it ends inside a block, where no sibling's own
+    prompt-end checkpoint falls."""
+    return int(SHARED_PREFIX_BLOCKS * units.block)
+
+
+def sibling_tail_length(units: Units) -> int:
+    """A block and the reference tail: each sibling's own checkpoint lies
+    past the shared prefix."""
+    return units.block + FIRST_PROMPT_TAIL
+
+
+def junction_checkpoint(prefix_len: int, units: Units, drops_unit: bool) -> int:
+    """The shared prefix's own end checkpoint at the block: the junction is
+    the longest single-group hit (KVCacheManager.get_computed_blocks), which
+    Scheduler._mamba_block_aligned_split floors to the block."""
+    return prompt_end_checkpoint(prefix_len, units.block, drops_unit)
+
+
+def play(run: WorkloadRun) -> CaseRecord:
+    """The siblings of one salt, each played as a turn (hit, then its
+    recompute): from the third on each hits the junction's checkpoint."""
+    __tracebackhide__ = True
+    with (
+        reported_case(run.case_id, run.suite.records) as record,
+        serve_case(record, run.binding, run.deployment, run.mode, run.suite.pool) as p,
+    ):
+        rng, tokens = random.Random(run.case_id), run.binding.token_ids
+        shared = random_tokens(rng, tokens, shared_prefix_length(p.units))
+        junction = junction_checkpoint(len(shared), p.units, run.mode.drops_unit)
+        salt = fresh_salt("siblings")
+        for index in range(NUM_SIBLINGS):
+            tail = random_tokens(rng, tokens, sibling_tail_length(p.units))
+            prompt = shared + tail
+            turn = planned_turn(
+                p, "sibling", PlannedTurn(index, len(prompt), len(shared))
+            )
+            # The first two need not hit; the bound stays the shared prefix.
+            turn.expected = junction if index >= 2 else 0
+            record.turns.append(turn)
+            play_turn(p, turn, prompt, salt)
+        finish_turns(p, record.turns)
+        if any(turn.problems for turn in record.turns):
+            record.problems.append(
+                WORKLOAD.failure(
+                    f"the junction checkpoint of the shared {len(shared)}-token "
+                    f"prefix is {junction}"
+                )
+            )
+    return record
+
+
+def _junction_lookup(server: ReplayServer) -> str:
+    """A lookup through the connector goes group by group
+    (get_computed_blocks_for_connector) and reports no junction."""
+    connector = server.scheduler.connector
+    if connector is not None and connector.supports_divergent_local_hybrid_hits:
+        return (
+            f"; its {type(connector).__name__} takes the per-group lookup "
+            f"(get_computed_blocks_for_connector), which detects no "
+            f"shared-prefix junction"
+        )
+    return ""
+
+
+def _sibling_problems(
+    hits: Sequence[tuple[int, int, int]],
+    shared: int,
+    units: Units,
+    cell: ReplayCell,
+    lookup: str,
+) -> list[str]:
+    junction = junction_checkpoint(shared, units, cell.mode.drops_unit)
+    problems = []
+    for index, (prompt_len, hit, recompute_hit) in enumerate(hits):
+        name = f"sibling {index} ({prompt_len} tokens)"
+        bound = hit_bound(shared, prompt_len, units.hit)
+        if hit > bound or hit % units.hit:
+            problems.append(
+                f"{name}: cached {hit}, beyond the shared {shared}-token prefix's "
+                f"bound {bound}"
+            )
+        if index == 0 and hit:
+            problems.append(f"{name}: the first sibling cached {hit}")
+        if index >= 2 and hit != junction:
+            problems.append(
+                f"{name}: cached {hit}, not the junction checkpoint {junction} of "
+                f"the shared {shared}-token prefix (block {units.block}, drafter "
+                f"drops a unit: {cell.mode.drops_unit})" + lookup
+            )
+        if recompute_hit:
+            problems.append(f"{name}: the recompute hit {recompute_hit}")
+    return problems
+
+
+def replay(cell: ReplayCell) -> None:
+    """The siblings through the cell's replayed servers, one after another,
+    each with its recompute; the device caches are never reset."""
+    for kda, alignment in cell.kda_checkpoints.items():
+        units, servers = cell.servers_of(cell.engines(kda=alignment))
+        rng = random.Random(cell.cell_id)
+        shared = random_tokens(rng, cell.token_ids, shared_prefix_length(units))
+        tail = sibling_tail_length(units)
+        hits = []
+        for index in range(NUM_SIBLINGS):
+            prompt = shared + random_tokens(rng, cell.token_ids, tail)
+            _, hit, _ = send(servers, prompt, f"siblings-{cell.cell_id}")
+            recompute = servers[-1].complete(
+                prompt, f"recompute-{cell.cell_id}-{index}"
+            )
+            assert recompute.cached_tokens is not None
+            hits.append((len(prompt), hit, recompute.cached_tokens))
+        for server in servers:
+            server.drain()
+        lookup = _junction_lookup(servers[0])
+        problems = _sibling_problems(hits, len(shared), units, cell, lookup)
+        problems += counter_problems(servers)
+        junction = junction_checkpoint(len(shared), units, cell.mode.drops_unit)
+        detail = f"{kda} hits {[h for _, h, _ in hits]}, junction {junction}"
+        cell.fail(WORKLOAD, problems, f"{detail}, hit unit {units.hit}")
+
+
+WORKLOAD = Workload(
+    "shared-prefix",
+    "siblings reach their junction checkpoint",
+    "v1/core/kv_cache_manager.py KVCacheManager.get_computed_blocks "
+    "(shared_prefix_boundary: the longest single-group hit) and "
+    "v1/core/sched/scheduler.py Scheduler._mamba_block_aligned_split "
+    "(a chunk stops at the block-floored junction)",
+    play=play,
+    replay=replay,
+)

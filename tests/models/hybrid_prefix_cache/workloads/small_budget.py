@@ -1,0 +1,254 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The reference conversation under a small prefill budget: hits and
+outputs equal those under the default budget, and a branch resumes at a
+block boundary only the small budget's chunks wrote (vLLM #51113 named a
+block by a state written short of it)."""
+
+import random
+from collections.abc import Sequence
+
+from tests.models.hybrid_prefix_cache.harness.cases import run_case, serve_case
+from tests.models.hybrid_prefix_cache.harness.compare import Turn, compare
+from tests.models.hybrid_prefix_cache.harness.conversation import (
+    planned_turn,
+    play_turn,
+    random_tokens,
+    reference_conversation,
+    run_conversations,
+)
+from tests.models.hybrid_prefix_cache.harness.deployment import (
+    Units,
+    with_serve_args,
+)
+from tests.models.hybrid_prefix_cache.harness.paths import PathNoise, pairs_noise
+from tests.models.hybrid_prefix_cache.harness.records import (
+    CaseRecord,
+    reported_case,
+)
+from tests.models.hybrid_prefix_cache.harness.rules import (
+    FIRST_PROMPT_TAIL,
+    PlannedTurn,
+)
+from tests.models.hybrid_prefix_cache.harness.workload import Workload, WorkloadRun
+from tests.models.hybrid_prefix_cache.scheduler.cell import ReplayCell, Setting
+from tests.models.hybrid_prefix_cache.scheduler.judge import (
+    case_problems,
+    check_geometry,
+)
+
+
+def small_budgets(units: Units) -> tuple[int, ...]:
+    """Prefill budgets below the default: half a block (chunks end inside
+    blocks) and a block and a half (every chunk is cut back to a block)."""
+    return (units.block // 2, units.block + units.block // 2)
+
+
+def served_budget(units: Units) -> int:
+    """A real server's budget: a block and a half, whose chunks
+    Scheduler._mamba_block_aligned_split cuts back to a block."""
+    return small_budgets(units)[-1]
+
+
+# A branch off the small-budget conversation's first prompt: it shares this
+# many blocks of it, then its own text.
+BRANCH_SHARED_BLOCKS = 2.5
+
+
+def branch_lengths(units: Units) -> tuple[int, int]:
+    """The branch's shared prefix (two and a half blocks: it ends inside a
+    block, short of the first prompt's own checkpoint) and its length (the
+    reference tail past that)."""
+    shared = int(BRANCH_SHARED_BLOCKS * units.block)
+    return shared, shared + FIRST_PROMPT_TAIL
+
+
+def branch_checkpoint(shared: int, units: Units, drops_unit: bool) -> int:
+    """Where a branch off a prompt prefilled under :func:`served_budget` resumes:
+    the last block boundary it shares (less the drafter's unit). Each chunk
+    ends on the next block, where the worker writes the state that, retained a
+    block apart, MambaManager.cache_blocks names by the block's hash."""
+    checkpoint = shared // units.block * units.block
+    return max(checkpoint - (units.hit if drops_unit else 0), 0)
+
+
+def small_budget_args(units: Units) -> tuple[str, ...]:
+    """The servers' budget and a retention of one block
+    (config/cache.py prefix_cache_retention_interval; the default 0 keeps only
+    prompts' own checkpoints)."""
+    return (
+        "--max-num-batched-tokens",
+        str(served_budget(units)),
+        "--prefix-cache-retention-interval",
+        str(units.block),
+    )
+
+
+def budget_problems(
+    turns: Sequence[Turn],
+    defaults: Sequence[Turn],
+    budget: int,
+    logprob_atol: float | None,
+    exact: bool = False,
+) -> PathNoise | None:
+    """Hold each turn under ``budget`` to the same turn under the default budget:
+    the same prompt and hit, and outputs exactly where ``exact``
+    (Binding.chunk_invariant; the recomputes too), else within the noise of the
+    two budgets' recomputes. Returns that noise, or None."""
+    pairs = [
+        (turn, turn.recompute, default.recompute)
+        for turn, default in zip(turns, defaults)
+        if turn.recompute is not None and default.recompute is not None
+    ]
+    if len(turns) != len(defaults):
+        turns[-1].problems.append(
+            f"{len(turns)} turns under a budget of {budget}, {len(defaults)} "
+            f"under the default"
+        )
+    if exact:
+        noise, tolerance = None, logprob_atol
+        names = (f"recompute at budget {budget}", "recompute at the default budget")
+        for turn, small, default in pairs:
+            why = compare(turn, small, default, names, tolerance, True)
+            if why:
+                turn.problems.append(
+                    f"{turn.name}: the cold recompute under a budget of {budget} "
+                    f"differs from the one under the default budget, {why}: "
+                    f"where a prefill's chunks end changes its arithmetic"
+                )
+    else:
+        noise = pairs_noise([(small, default) for _, small, default in pairs])
+        tolerance = None if noise is None else noise.held_to(logprob_atol)
+    names = (f"hit at budget {budget}", "hit at the default budget")
+    for turn, default in zip(turns, defaults):
+        if turn.prompt != default.prompt:
+            turn.problems.append(
+                f"{turn.name}: its prompt is not the default budget's (an "
+                f"earlier output parted from it)"
+            )
+            continue
+        if turn.restored != default.restored:
+            turn.problems.append(
+                f"{turn.name}: cached {turn.restored} under a budget of {budget}, "
+                f"{default.restored} under the default"
+            )
+        if turn.output is None or default.output is None:
+            continue
+        why = compare(turn, turn.output, default.output, names, tolerance, exact)
+        if why:
+            held = "exactly" if exact else f"{noise}, the two budgets' recomputes"
+            turn.problems.append(
+                f"{turn.name}: the hit, {turn.restored} tokens restored, differs "
+                f"from the same hit under the default budget, {why} ({held})"
+            )
+    return noise
+
+
+def play(run: WorkloadRun) -> CaseRecord:
+    """The cell's reference conversation on servers of its own that schedule
+    :func:`served_budget` tokens a step and retain the states their chunks
+    write a block apart, held turn by turn to the cell's reference case
+    (played here first if the session has none): the same hits, and outputs
+    exactly where chunk ends do not change the arithmetic
+    (Binding.chunk_invariant), else within the two budgets' recompute noise.
+    Then a branch off its first prompt resumes where only the small budget's
+    chunks wrote (:func:`branch_checkpoint`)."""
+    __tracebackhide__ = True
+    suite, case_id, binding = run.suite, run.case_id, run.binding
+    deployment, mode = run.deployment, run.mode
+    default_id = case_id.removesuffix(f"-{WORKLOAD.name}")
+    default = next(
+        (r for r in reversed(suite.records) if r.case_id == default_id and r.turns),
+        None,
+    )
+    if default is None:
+        default = run_case(suite, default_id, binding, deployment, mode)
+    assert default.units is not None
+    budget = served_budget(default.units)
+    served = with_serve_args(deployment, small_budget_args(default.units))
+    with (
+        reported_case(case_id, suite.records) as record,
+        serve_case(record, binding, served, mode, suite.pool) as play,
+    ):
+        if not default.ok:
+            record.problems.append(
+                f"the default budget's case {default_id} failed, so nothing here "
+                f"compares with it: {default.failures()[0]}"
+            )
+        if play.units != default.units:
+            record.problems.append(
+                f"a budget of {budget} resolves {play.units}, the default "
+                f"{default.units}"
+            )
+        # The default case's seed: the same prompts, as long as each turn's
+        # output is the same.
+        conversation = reference_conversation(play.units, default_id)
+        run_conversations(play, [conversation], record.turns)
+        noise = budget_problems(
+            record.turns,
+            default.turns,
+            budget,
+            binding.logprob_atol,
+            binding.chunk_invariant,
+        )
+        play.noise = play.noise or noise
+        # A branch off the first prompt, under its salt: it resumes at a
+        # block boundary whose state only the small budget's chunks wrote.
+        first = record.turns[0]
+        shared, length = branch_lengths(play.units)
+        rng = random.Random(f"{case_id}-branch")
+        prompt = first.prompt[:shared]
+        prompt += random_tokens(rng, binding.token_ids, length - shared)
+        branch = planned_turn(play, "branch", PlannedTurn(0, length, shared))
+        branch.expected = branch_checkpoint(shared, play.units, mode.drops_unit)
+        record.turns.append(branch)
+        play_turn(play, branch, prompt, first.salt)
+        if not record.ok:
+            record.problems.append(
+                WORKLOAD.failure(
+                    f"a budget of {budget} tokens a step against the default of "
+                    f"{default_id}"
+                )
+            )
+    return record
+
+
+def replay(cell: ReplayCell) -> None:
+    """The reference conversation under each of :func:`small_budgets`: its
+    hits equal those under the default budget turn by turn, and the
+    harness's expectation."""
+    for kda, alignment in cell.kda_checkpoints.items():
+        engines = cell.engines(kda=alignment)
+        units = check_geometry(engines[0], cell.mode)
+
+        def reference(units):
+            return [reference_conversation(units, cell.cell_id)]
+
+        _, _, default = cell.play_conversations(engines, reference)
+        for budget in small_budgets(units):
+            setting = Setting(budget)
+            small = cell.engines(setting, alignment)
+            units, servers, results = cell.play_conversations(small, reference)
+            problems = [
+                f"turn {a.planned.index}: cached {b.hit} under a budget of "
+                f"{budget}, {a.hit} under the default"
+                for a, b in zip(default, results)
+                if a.hit != b.hit
+            ]
+            rows, wrong = case_problems(
+                servers, results, units, cell.mode, cell.deployment
+            )
+            problems += wrong
+            detail = f"{kda} budget {budget}\n" + "\n".join(rows)
+            cell.fail(WORKLOAD, problems, detail)
+
+
+WORKLOAD = Workload(
+    "small-budget",
+    "under a small budget, hits and outputs equal those under the default budget",
+    "v1/core/sched/scheduler.py Scheduler._mamba_block_aligned_split "
+    "(every chunk ends at or before last_cache_position)",
+    play=play,
+    replay=replay,
+    own_servers=True,
+)

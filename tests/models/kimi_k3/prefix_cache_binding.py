@@ -1,0 +1,278 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The Kimi-K3 binding of the hybrid prefix-cache harness: model, deployments, modes,
+known failures, stated B200 geometry, and the matrix of test_prefix_cache.py."""
+
+import os
+from dataclasses import replace
+
+import pytest
+
+from tests.models.hybrid_prefix_cache import seeded_load
+from tests.models.hybrid_prefix_cache.harness import (
+    Binding,
+    Deployment,
+    Drafting,
+    Instance,
+    Known,
+    Matrix,
+    Mode,
+    cpu_offload,
+    exact_budget,
+    holds_for,
+    kv_connector,
+    matrix_modes,
+    multi_connector,
+    with_serve_args,
+)
+from tests.models.hybrid_prefix_cache.workloads import aligned, pd_resend
+from vllm.platforms import current_platform
+
+# The official Kimi-K3 config cut to 8 layers, no weights (upstream's from 0.34.0).
+MODEL = os.environ.get("KIMI_K3_PREFIX_CACHE_MODEL", "vllm-project/Kimi-K3-8L-dummy")
+# The recipe's DSpark draft, its target_layer_ids remapped to the 8 layers.
+DRAFT = os.environ.get(
+    "KIMI_K3_PREFIX_CACHE_DRAFT", "vllm-project/Kimi-K3-DSpark-for-8L-dummy"
+)
+
+PARTIAL_UNIT = 128
+GiB = 1 << 30
+STARTUP_TIMEOUT = 1200.0
+
+# Seeded weights, under which a wrong restored state shows (not under vLLM's dummy
+# ones: test_sensitivity.py); KIMI_K3_PREFIX_CACHE_LOAD_FORMAT=dummy serves those.
+LOAD_FORMAT = os.environ.get(
+    "KIMI_K3_PREFIX_CACHE_LOAD_FORMAT", seeded_load.LOAD_FORMAT
+)
+BASE_ARGS = (
+    "--trust-remote-code",
+    "--language-model-only",
+    "--load-format",
+    LOAD_FORMAT,
+    "--no-enable-flashinfer-autotune",
+    "--enable-prompt-tokens-details",
+    # The default max_num_seqs runs one GPU out of memory in warmup.
+    "--max-num-seqs",
+    "8",
+)
+
+DSPARK = {
+    "method": "dspark",
+    "model": DRAFT,
+    "num_speculative_tokens": 7,
+    "draft_sample_method": "probabilistic",
+    "rejection_sample_method": "block",
+}
+
+NIXL = kv_connector("NixlConnector")
+# SimpleCPUOffloadConnector as the Kimi-K3 recipe configures it.
+OFFLOAD = cpu_offload(32 * GiB)
+NIXL_OFFLOAD = multi_connector(NIXL, OFFLOAD)
+MOONCAKE_STORE = kv_connector(
+    "MooncakeStoreConnector",
+    {"load_async": True, "lookup_async": True, "enable_cross_layers_blocks": False},
+    kv_load_failure_policy="recompute",
+)
+# As upstream's B200 test: RDMA on this NIC, 4 GiB MRs, a lease outliving a resend.
+MOONCAKE_DEVICE = os.environ.get("MOONCAKE_DEVICE_NAME", "mlx5_12")
+# As upstream's test reads it (its MI355 mirror sets tcp).
+MOONCAKE_PROTOCOL = os.environ.get("MOONCAKE_PROTOCOL", "rdma")
+MOONCAKE_LEASE_TTL_MS = 60_000
+MOONCAKE_ENV = {"MC_MAX_MR_SIZE": str(4 * GiB)}
+
+MODES = matrix_modes(PARTIAL_UNIT, "dspark", DSPARK)
+
+# DSpark by release, as upstream's Kimi-K3 test states it: 0.32 drops the trailing
+# hit unit; 0.33 keeps it (config/speculative.py needs_eagle_block_drop).
+DRAFTER_RULES = {"<0.33": Drafting(drops_unit=True), ">=0.33": Drafting()}
+
+
+def drafter_rule() -> Drafting:
+    """The stated rule of :data:`DRAFTER_RULES` for the vLLM under test."""
+    (rule,) = [r for releases, r in DRAFTER_RULES.items() if holds_for(releases)]
+    return rule
+
+
+DEPLOYMENTS = {
+    "plain": Deployment(),
+    "offload": Deployment(decode=Instance(kv_config=OFFLOAD), offload=True),
+    "dcp2": Deployment(decode=Instance(tp=2, dcp=2)),
+    "dcp2-offload": Deployment(
+        decode=Instance(tp=2, dcp=2, kv_config=OFFLOAD), offload=True
+    ),
+    "pd": Deployment(prefill=Instance(kv_config=NIXL), decode=Instance(kv_config=NIXL)),
+    # NIXL refuses caching on a hybrid decoder of other TP: the prefiller caches.
+    "pd-tp2-dep2": Deployment(
+        prefill=Instance(tp=2, kv_config=NIXL),
+        decode=Instance(
+            dp=2, expert_parallel=True, kv_config=NIXL, prefix_caching=False
+        ),
+    ),
+    "pd-offload": Deployment(
+        prefill=Instance(kv_config=NIXL_OFFLOAD),
+        decode=Instance(kv_config=NIXL_OFFLOAD),
+        offload=True,
+    ),
+}
+
+# Cells that cannot pass, per platform, by "<deployment>-<mode>": each must fail with
+# its evidence (harness.expect_known), so a fix shows as a strict XPASS.
+_DCP_SPEC = Known(
+    "xfail",
+    "FlashInfer MLA DCP decode breaks on ragged spec batches (vLLM #59392): "
+    "with DSpark drafts under DCP, the cute-dsl decode that the DCP branch of "
+    "v1/attention/backends/mla/flashinfer_mla.py (FlashInferMLAImpl."
+    "forward_mqa) selects rejects its per-request causal_seqlens_kv_global, "
+    "and the engine dies",
+    # FlashInfer's error as seen on GB200, less the batch's shapes; found in the
+    # failing server's log (harness.failure_text) wherever the crash surfaces.
+    evidence="causal_seqlens_kv_global must have shape",
+    # 0.34.0 repairs it (mla/flashinfer_mla.py); upstream's test drops these cells.
+    releases="<0.34",
+)
+KNOWN: dict[str, dict[str, tuple[Known, ...]]] = {
+    "sm100": {
+        f"{deployment}-{mode}": (_DCP_SPEC,)
+        for deployment in ("dcp2", "dcp2-offload")
+        for mode in ("block-dspark", "partial-dspark")
+    },
+    # Empty: nothing seen failing on MI355 yet; add entries with their evidence.
+    "mi355": {},
+}
+
+# Exact resends: 7040 is a PMU multiple, not block-aligned; 7296 an exact one.
+RESEND_LENGTHS = (7040, 7296)
+RESEND_MODE = "partial-dspark"
+# Past the store's save boundary (block 6144): 7296 plus the drafter's proof block
+# at 7424 (0.32, a unit dropped for DSpark), or the Mamba state at 7424 (0.33).
+MOONCAKE_RESEND_LENGTH = 7449
+
+
+def _platform() -> str | None:
+    if current_platform.is_cuda() and current_platform.is_device_capability_family(100):
+        return "sm100"
+    if current_platform.is_rocm() and _rocm_mx():
+        return "mi355"
+    return None
+
+
+def _rocm_mx() -> bool:
+    """Whether this ROCm GPU runs MX: Platform.supports_mx (0.34+), else gfx950."""
+    if hasattr(current_platform, "supports_mx"):
+        return current_platform.supports_mx()
+    from vllm.platforms.rocm import on_gfx950
+
+    return on_gfx950()
+
+
+PLATFORM = _platform()
+PLATFORM_SKIP = pytest.mark.skipif(
+    PLATFORM is None,
+    reason=(
+        "Kimi-K3 kernels need an SM100-family NVIDIA GPU or an MI355 (gfx950); "
+        f"this is {current_platform.device_name!r}"
+    ),
+)
+
+# cache_config.block_size on B200 by (TP size, drafts with DSpark), from
+# Platform._align_hybrid_block_size, resolve_dcp_kv_block_size and
+# KimiLinearForCausalLM.get_mamba_state_shape_from_config: findings/kimi-k3-geometry.md.
+KIMI_BLOCKS = {
+    # B200 plain-block turn table: first prompt 17317 = 3 * 5760 + 37.
+    (1, False): 5760,
+    # B200 pd-offload-partial-dspark table (18469 = 3 * 6144 + 37); upstream's too.
+    (1, True): 6144,
+    # B200 dcp2-offload-partial table (8869 = 3 * 2944 + 37); pd-tp2-dep2's TP2 too.
+    (2, False): 2944,
+}
+
+
+def stated_block(instance: Instance, mode: Mode) -> int | str:
+    """The stated block of ``instance`` in ``mode``, or why there is none."""
+    dspark = mode.spec is not None
+    block = KIMI_BLOCKS.get((instance.tp, dspark))
+    if block is not None:
+        return block
+    what = f"TP{instance.tp}" + (f" with DCP{instance.dcp}" if instance.dcp > 1 else "")
+    return (
+        f"no B200 geometry for a Kimi-K3 instance at {what}"
+        f"{' drafting with DSpark' if dspark else ''}: its cache block (the "
+        f"smallest whose MLA page holds the per-rank KDA state) was never "
+        f"observed; a B200 turn table of such a cell gives it (first prompt = "
+        f"3 * block + 37): add it to KIMI_BLOCKS"
+    )
+
+
+BINDING = Binding(
+    model=MODEL,
+    base_args=BASE_ARGS,
+    # Any id of the tokenizer's ordinary range; generated weights do not care.
+    token_ids=(1000, 100_000),
+    env=dict(seeded_load.ENV) if LOAD_FORMAT == seeded_load.LOAD_FORMAT else {},
+    startup_timeout=STARTUP_TIMEOUT,
+    # Exact at one block a step (served): a boundary hit and its recompute share
+    # chunks; a hit inside a block is held to measured noise.
+    logprob_atol=0.0,
+    visible_devices_env=current_platform.device_control_env_var,
+    exact_on_blocks=True,
+)
+
+
+def served(case_id: str) -> tuple[Binding, Deployment, Mode]:
+    """The binding, deployment and mode of ``case_id`` as served (:func:`exact`)."""
+    deployment, mode = MATRIX.served(case_id)
+    return (*exact(deployment, mode), mode)
+
+
+def exact(deployment: Deployment, mode: Mode) -> tuple[Binding, Deployment]:
+    """``deployment`` scheduling one block a step (harness.exact_budget) where its
+    block is stated; else at vLLM's default budget, held by check_logprobs_close
+    alone (a hit and its recompute are cut into other chunks: vLLM #33123)."""
+    blocks = {stated_block(instance, mode) for instance in deployment.instances}
+    block = blocks.pop() if len(blocks) == 1 else "instances of other blocks"
+    if isinstance(block, str):
+        return replace(BINDING, logprob_atol=None, exact_on_blocks=False), deployment
+    budget = ("--max-num-batched-tokens", str(exact_budget(block)))
+    return BINDING, with_serve_args(deployment, budget)
+
+
+# Workloads on each cell's running servers, where a case costs less than a start;
+# what each holds and why others are left out: findings/b200-case-costs.md.
+HOST_LOSS_RELEASES = "<0.34"
+PD_DEPLOYMENTS = ("pd", "pd-tp2-dep2", "pd-offload")
+
+
+def _crashes(cell: str) -> bool:
+    return any(known.holds() for known in KNOWN["sm100"].get(cell, ()))
+
+
+def _aligned_cells() -> tuple[str, ...]:
+    lost = ("dcp2-offload-partial",) if holds_for(HOST_LOSS_RELEASES) else ()
+    return tuple(
+        cell
+        for deployment in ("offload", "dcp2-offload", *PD_DEPLOYMENTS)
+        for mode in MODES
+        if not _crashes(cell := f"{deployment}-{mode}") and cell not in lost
+    )
+
+
+WORKLOADS = {
+    "aligned": _aligned_cells(),
+    "pd-resend": tuple(
+        f"{deployment}-{mode}" for deployment in PD_DEPLOYMENTS for mode in MODES
+    ),
+}
+MATRIX = Matrix(
+    DEPLOYMENTS,
+    MODES,
+    KNOWN[PLATFORM or "sm100"],
+    workloads=WORKLOADS,
+    # The workloads it runs: catalog() would bring in every replay's vLLM.
+    catalog={w.name: w for w in (aligned.WORKLOAD, pd_resend.WORKLOAD)},
+    workload_turns={"aligned": 2},
+)
+
+# The device cache is reset before the resend, so the hit must come from the store.
+MOONCAKE_DEPLOYMENT = Deployment(
+    decode=Instance(kv_config=MOONCAKE_STORE), offload=True
+)

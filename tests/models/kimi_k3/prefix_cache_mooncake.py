@@ -1,0 +1,95 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The Mooncake store's master for the Kimi-K3 module's store case, and the
+client config that points the store's servers at it."""
+
+import contextlib
+import json
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.models.hybrid_prefix_cache.harness import (
+    ServerPool,
+)
+from tests.models.kimi_k3.prefix_cache_binding import (
+    MOONCAKE_DEVICE,
+    MOONCAKE_LEASE_TTL_MS,
+    MOONCAKE_PROTOCOL,
+)
+from vllm.utils.network_utils import get_open_port
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"mooncake_master exited with {proc.returncode}")
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"mooncake_master did not listen on {port} in {timeout} s")
+
+
+@contextlib.contextmanager
+def mooncake_master(folder: Path, pool: ServerPool) -> Iterator[str]:
+    """A real ``mooncake_master`` on a free port, and a client config for it
+    in ``folder``. On exit, the servers in ``pool`` (the store's clients)
+    are stopped before the master: the pool would otherwise keep them
+    running against a dead master until the session ends.
+
+    install-kv-connectors.sh installs Mooncake in the step that runs this
+    module, so a missing master fails the case rather than skipping it.
+    """
+    master = shutil.which("mooncake_master")
+    if master is None:
+        pytest.fail(
+            "mooncake_master is not on PATH: run "
+            ".buildkite/scripts/install-kv-connectors.sh first",
+            pytrace=False,
+        )
+    port, metrics_port = get_open_port(), get_open_port()
+    log_path = folder / "mooncake_master.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [
+                master,
+                f"--port={port}",
+                f"--metrics_port={metrics_port}",
+                "--enable_metric_reporting=false",
+                f"--default_kv_lease_ttl={MOONCAKE_LEASE_TTL_MS}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        try:
+            _wait_for_port(port, proc, timeout=60)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}\n{log_path.read_text(errors='replace')}") from None
+        config = folder / "mooncake.json"
+        config.write_text(
+            json.dumps(
+                {
+                    "metadata_server": "P2PHANDSHAKE",
+                    "master_server_address": f"127.0.0.1:{port}",
+                    "protocol": MOONCAKE_PROTOCOL,
+                    "device_name": MOONCAKE_DEVICE,
+                    "global_segment_size": "4GB",
+                    "local_buffer_size": "1GB",
+                }
+            )
+        )
+        yield str(config)
+    finally:
+        try:
+            pool.close()
+        finally:
+            proc.kill()
+            proc.wait(timeout=30)
