@@ -246,6 +246,8 @@ WORKLOADS = {
     # Own servers, pool sized by workloads/eviction.py; under P/D the hit is the
     # KVCacheManager.get_computed_blocks_for_connector lookup (vLLM #46453).
     "eviction": _cells(("plain", "pd"), ("block", "partial")),
+    # Servers of their own too, whose pool the replay sizes.
+    "preemption": _cells(("plain",), ("block", "partial")),
 }
 MATRIX = Matrix(
     DEPLOYMENTS,

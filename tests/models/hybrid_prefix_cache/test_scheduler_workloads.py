@@ -52,6 +52,11 @@ def test_pd_resend(tiny_model, cpu_binding, cell_id: str) -> None:
     replay("pd-resend", cell_id, tiny_model, cpu_binding)
 
 
+@pytest.mark.parametrize("cell_id", cell_params(WORKLOADS["preemption"]))
+def test_preemption(tiny_model, cpu_binding, cell_id: str) -> None:
+    replay("preemption", cell_id, tiny_model, cpu_binding)
+
+
 @pytest.mark.parametrize("scheduling", ["async", "sync"])
 @pytest.mark.parametrize("cell_id", cell_params(WORKLOADS["async"]))
 def test_scheduling(tiny_model, cpu_binding, cell_id: str, scheduling: str) -> None:
