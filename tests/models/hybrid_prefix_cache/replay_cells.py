@@ -122,13 +122,7 @@ def _cpu_build(binding: harness.Binding, deployment, mode):
         engines = cpu_engines(binding, deployment, mode, extra)
         if setting.num_blocks is None:
             return engines
-        # The CPU worker sizes its pool from --kv-cache-memory-bytes.
-        per_block = [
-            engine.vllm_config.cache_config.kv_cache_memory_bytes
-            // engine.kv_cache_config.num_blocks
-            for engine in engines
-        ]
-        memory = [setting.num_blocks * size for size in per_block]
+        memory = [setting.num_blocks * engine.block_bytes for engine in engines]
         return cpu_engines(binding, deployment, mode, extra, memory)
 
     return build

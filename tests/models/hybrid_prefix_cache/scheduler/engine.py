@@ -137,6 +137,13 @@ class Engine:
             scheduler_block=self.scheduler_block,
         )
 
+    @property
+    def block_bytes(self) -> int:
+        """KV cache bytes a block of the pool takes: the CPU worker sizes its
+        pool from --kv-cache-memory-bytes, so blocks x this sizes one."""
+        cache = self.vllm_config.cache_config
+        return cache.kv_cache_memory_bytes // self.kv_cache_config.num_blocks
+
     def scheduler(self) -> Scheduler:
         cls = AsyncScheduler if self.async_scheduling else Scheduler
         return cls(

@@ -207,10 +207,7 @@ def plan(
         return in_process.replay_servers(deployment, mode, args)
 
     sizing, played = servers(("--max-model-len", str(max_len)))
-    per_block = (
-        sizing.vllm_config.cache_config.kv_cache_memory_bytes
-        // sizing.kv_cache_config.num_blocks
-    )
+    per_block = sizing.block_bytes
     request = [binding.token_ids[0]] * (max_len - 1)
     used = blocks_in_use(played[0], request, "size")
     blocks, _, replayed = sized_eviction(

@@ -307,10 +307,7 @@ def plan(
     build in-process, sizing the pool (:func:`sized_preemption`)."""
     shape = shape_of(in_process.units(mode), deployment)
     sizing, _ = in_process.replay_servers(deployment, mode, shape.args())
-    per_block = (
-        sizing.vllm_config.cache_config.kv_cache_memory_bytes
-        // sizing.kv_cache_config.num_blocks
-    )
+    per_block = sizing.block_bytes
 
     def build(blocks: int):
         pool = shape.args(blocks * per_block)
