@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Benchmark of the CPU tier's server lifecycle, in one run (not a test).
 
 Run it through the suite, which provisions and lays our files over the vLLM

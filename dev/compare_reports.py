@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Compare two runs of the hybrid prefix-cache suite, case by case.
 
     python dev/compare_reports.py [--label-a A] [--label-b B] REPORTS_A REPORTS_B

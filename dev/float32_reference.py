@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Which side of a hit/recompute logprob gap is wrong? (not a test)
 
     dev/suite.sh reference RECORD.json [MODEL_DIR]

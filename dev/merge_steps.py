@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Merge our Buildkite steps into one of vLLM's ``test_areas`` files by key.
 
     python dev/merge_steps.py UPSTREAM OURS > MERGED

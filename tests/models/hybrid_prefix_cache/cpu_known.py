@@ -280,4 +280,4 @@ def confirm_at_config(binding: Binding, case_id: str, known: Known) -> None:
                 build_config(engine_args(spec.model, spec.args))
         except Exception as e:
             text = f"{spec.name} server's config, built in-process: {e}"
-            judge_failure(case_id, known, text)
+            judge_failure(case_id, known, text).enact(e)

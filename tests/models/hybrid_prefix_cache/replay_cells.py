@@ -119,6 +119,8 @@ def _cpu_build(binding: harness.Binding, deployment, mode):
             extra.append("--async-scheduling" if on else "--no-async-scheduling")
         if setting.max_model_len is not None:
             extra += ["--max-model-len", str(setting.max_model_len)]
+        if setting.policy is not None:
+            extra += ["--scheduling-policy", setting.policy]
         engines = cpu_engines(binding, deployment, mode, extra)
         if setting.num_blocks is None:
             return engines
@@ -135,6 +137,7 @@ def _kimi_build(model: Path, deployment, mode):
             "num_blocks": setting.num_blocks,
             "async_scheduling": setting.async_scheduling,
             "max_model_len": setting.max_model_len,
+            "scheduling_policy": setting.policy,
         }
         given = {key: value for key, value in overrides.items() if value is not None}
         return kimi_engines(model, deployment, mode, kda, **given)

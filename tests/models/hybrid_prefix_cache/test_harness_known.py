@@ -1,15 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Unit tests of known failures and case records: expect_known by evidence
+"""Unit tests of known failures and case records: a session judged by evidence
 and geometry, the CPU table's shared failures, a refusal at start, evidence
 that stops a case, and how records explain and print. No server, any
 platform."""
 
+import json
 from dataclasses import replace
 
 import pytest
 
-from tests.models.hybrid_prefix_cache import harness
 from tests.models.hybrid_prefix_cache.harness import (
     Binding,
     CaseRecord,
@@ -21,9 +21,6 @@ from tests.models.hybrid_prefix_cache.harness import (
     Units,
     run_case,
 )
-from tests.models.hybrid_prefix_cache.harness.cases import (
-    expect_known,
-)
 from tests.models.hybrid_prefix_cache.harness.compare import (
     Sample,
     Turn,
@@ -32,9 +29,14 @@ from tests.models.hybrid_prefix_cache.harness.compare import (
 from tests.models.hybrid_prefix_cache.harness.deployment import (
     select_known,
 )
+from tests.models.hybrid_prefix_cache.harness.known import evidence_shown
 from tests.models.hybrid_prefix_cache.harness.servers import (
     REPORT_DIR_ENV,
     ServerError,
+)
+from tests.models.hybrid_prefix_cache.harness.session import (
+    CaseSession,
+    case_session,
 )
 
 
@@ -57,69 +59,104 @@ def test_first_divergence():
     assert "index 1" in message and "6:-0.2000" in message and "9:-0.5000" in message
 
 
-def test_expect_known():
+@pytest.fixture(autouse=True)
+def _reports(tmp_path, monkeypatch):
+    """Every case session writes its record: here, into the test's folder."""
+    monkeypatch.setenv(REPORT_DIR_ENV, str(tmp_path))
+    return tmp_path
+
+
+def test_a_session_judges_its_known_failure():
     bug = Known("xfail", "a bug", evidence="kernel_x")
-    with pytest.raises(pytest.xfail.Exception, match="a bug"), expect_known("c", bug):
+    with (
+        pytest.raises(pytest.xfail.Exception, match="a bug"),
+        case_session("c", known=(bug,)),
+    ):
         raise AssertionError("... kernel_x failed ...")
     with (
         pytest.raises(AssertionError, match="without 'kernel_x'"),
-        expect_known("c", bug),
+        case_session("c", known=(bug,)),
     ):
         raise AssertionError("something else")
-    with pytest.raises(pytest.fail.Exception, match="XPASS"), expect_known("c", bug):
+    with (
+        pytest.raises(pytest.fail.Exception, match="XPASS"),
+        case_session("c", known=(bug,)),
+    ):
         pass
     refused = Known("unsupported", "not on CPU", evidence="no streams")
     with (
         pytest.raises(pytest.skip.Exception, match="not on CPU"),
-        expect_known("c", refused),
+        case_session("c", known=(refused,)),
     ):
         raise AssertionError("server log: no streams here")
-    with expect_known("c", None):
+    with case_session("c") as case:
         pass
+    assert case.record is not None and case.record.verdict == ""
     with pytest.raises(ValueError):
         Known("maybe", "r", "e")
     with pytest.raises(ValueError, match="config time"):
         Known("xfail", "r", "e", at_config=True)
 
 
+def _observe(case: CaseSession, problem: str | None, units: Units | None) -> None:
+    """A case's servers resolve ``units``; it fails with ``problem``, if any."""
+    case.units = units
+    if problem is not None:
+        case.problems.append(problem)
+
+
 def _record(problem: str | None, units: Units | None) -> CaseRecord:
     """A case's record, failing with ``problem`` unless it is None."""
-    return CaseRecord("c", units=units, problems=[] if problem is None else [problem])
+    return CaseRecord("c", units=units, problems=() if problem is None else (problem,))
 
 
-def test_expect_known_by_geometry():
-    """An entry with a geometry holds only where the servers reported it;
-    a listed case fails by its record's problems or by an exception."""
+def test_a_session_judges_by_geometry_before_it_writes(_reports):
+    """An entry with a geometry holds only where the servers reported it; a
+    listed case fails by its problems or by an exception. The verdict is in
+    the record, and in its JSON, before the outcome is raised."""
     at256 = Known("xfail", "lost", evidence="cached 0 <", geometry=(256, 256))
     big, small = Units(block=256, hit=256), Units(block=128, hit=128)
-    with pytest.raises(pytest.xfail.Exception), expect_known("c", (at256,)) as run:
-        run.record = _record("turn 1: cached 0 < expected checkpoint 512", big)
-    assert run.record.verdict == "known xfail"
-    with expect_known("c", (at256,)) as run:
+
+    def written(case: CaseSession) -> str:
+        assert case.record is not None
+        data = json.loads((_reports / "c.json").read_text())
+        assert data["verdict"] == case.record.verdict
+        return case.record.verdict
+
+    with (
+        pytest.raises(pytest.xfail.Exception),
+        case_session("c", known=(at256,)) as case,
+    ):
+        _observe(case, "turn 1: cached 0 < expected checkpoint 512", big)
+    assert written(case) == "known xfail"
+    with case_session("c", known=(at256,)) as case:
         # Not listed at this geometry: the record is the caller's to assert.
-        run.record = _record("turn 1: cached 0 < expected checkpoint 256", small)
-    assert run.record.verdict == "" and not run.record.ok
+        _observe(case, "turn 1: cached 0 < expected checkpoint 256", small)
+    assert written(case) == "" and case.record is not None and not case.record.ok
     with (
         pytest.raises(AssertionError, match="update the table"),
-        expect_known("c", (at256,)) as run,
+        case_session("c", known=(at256,)) as case,
     ):
-        run.record = _record("turn 1: lost", big)
-    assert run.record.verdict == "FAIL: stale table"
+        _observe(case, "turn 1: lost", big)
+    assert written(case) == "FAIL: stale table"
     refused = Known("unsupported", "no", evidence="streams", geometry=(256, 256))
-    with pytest.raises(pytest.skip.Exception), expect_known("c", (refused,)) as run:
-        run.record = _record(None, big)
+    with (
+        pytest.raises(pytest.skip.Exception),
+        case_session("c", known=(refused,)) as case,
+    ):
+        _observe(case, None, big)
         raise AssertionError("no streams")
-    assert run.record.verdict == "known refusal"
-    with pytest.raises(AssertionError, match="no streams"), expect_known("c", ()):
+    assert written(case) == "known refusal"
+    with pytest.raises(AssertionError, match="no streams"), case_session("c"):
         raise AssertionError("no streams")
     with (
         pytest.raises(pytest.fail.Exception, match="XPASS"),
-        expect_known("c", (at256,)) as run,
+        case_session("c", known=(at256,)) as case,
     ):
-        run.record = _record(None, big)
-    assert run.record.verdict == "FAIL: XPASS"
-    with expect_known("c", (at256,)) as run:
-        run.record = _record(None, small)
+        _observe(case, None, big)
+    assert written(case) == "FAIL: XPASS"
+    with case_session("c", known=(at256,)) as case:
+        _observe(case, None, small)
     with pytest.raises(ValueError, match="several"):
         select_known((at256, at256), big)
     assert select_known((at256,), None) is None
@@ -130,7 +167,7 @@ def test_record_explains_its_problems():
     assert record.ok
     turn = Turn("conv", 2, 900, 700, 512, bound=640)
     turn.problems.append("turn 2: cached 0 < expected checkpoint 512")
-    record.turns.append(turn)
+    record = replace(record, turns=(turn,))
     assert not record.ok
     text = record.explain()
     assert text.startswith("c: 1 problem(s)\nturn 2: cached 0 < expected")
@@ -220,9 +257,9 @@ def test_a_refusal_at_start_is_judged_and_summarized(tmp_path, monkeypatch):
 def test_records_and_suites_print_in_one_line():
     """What pytest shows of a failed ``assert record.ok`` and of the
     fixture: one line each, not every sample of every turn."""
-    record = _record("turn 1: lost", Units(block=256, hit=256))
-    record.turns.append(Turn("conv", 1, 900, 700, 512, bound=640, prompt=[5] * 900))
-    record.outcome = "FAIL"
+    turn = Turn("conv", 1, 900, 700, 512, bound=640, prompt=[5] * 900)
+    record = replace(_record("turn 1: lost", Units(block=256, hit=256)), turns=(turn,))
+    record = replace(record, outcome="FAIL")
     assert repr(record) == "CaseRecord('c': FAIL, 1 turns)"
     suite = Suite()
     suite.records.append(record)
@@ -231,16 +268,11 @@ def test_records_and_suites_print_in_one_line():
 
 def test_a_known_bug_stops_its_case_once_its_evidence_shows():
     bug = Known("xfail", "a bug", evidence="turn 1: cached 0", in_record=True)
-    record = CaseRecord("plain-block-exact")
-    seen = harness.cases.evidence_seen(bug, record)
-    turns = [Turn("exact", 0, 768, 0, 0), Turn("exact", 1, 1545, 768, 512)]
-    assert seen is not None and not seen(turns)
-    turns[1].problems.append("exact turn 1: cached 0 < expected checkpoint 512")
-    assert seen(turns)
-    assert "stopped after exact turn 1" in record.notices[0]
+    assert not evidence_shown(bug, ["turn 0: fine"])
+    assert evidence_shown(bug, ["exact turn 1: cached 0 < expected checkpoint 512"])
     # A crash, a refusal, no entry: every turn is played.
     crash = Known("xfail", "a crash", evidence="Traceback")
-    assert harness.cases.evidence_seen(crash, record) is None
+    assert not evidence_shown(crash, ["Traceback"])
     refusal = Known("unsupported", "refused", evidence="x", in_record=True)
-    assert harness.cases.evidence_seen(refusal, record) is None
-    assert harness.cases.evidence_seen(None, record) is None
+    assert not evidence_shown(refusal, ["x"])
+    assert not evidence_shown(None, ["x"])

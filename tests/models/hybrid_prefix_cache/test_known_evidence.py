@@ -17,16 +17,15 @@ import requests
 from tests.models.hybrid_prefix_cache import cpu_known, gpu_binding
 from tests.models.hybrid_prefix_cache.cpu_binding import cpu_binding
 from tests.models.hybrid_prefix_cache.harness import (
-    CaseRecord,
+    Deployment,
     Known,
     Units,
 )
-from tests.models.hybrid_prefix_cache.harness.cases import (
-    expect_known,
-)
 from tests.models.hybrid_prefix_cache.harness.servers import (
+    REPORT_DIR_ENV,
     ServerError,
 )
+from tests.models.hybrid_prefix_cache.harness.session import case_session
 from tests.models.hybrid_prefix_cache.replayed_turns import (
     branch_apart_turn,
     lost_checkpoint_turn,
@@ -159,6 +158,12 @@ RECORD_FAILURES |= {
 GEOMETRY = {None: Units(block=256, hit=256)}
 
 
+@pytest.fixture(autouse=True)
+def _reports(tmp_path, monkeypatch):
+    """Every case session writes its record: here, into the test's folder."""
+    monkeypatch.setenv(REPORT_DIR_ENV, str(tmp_path))
+
+
 def _units(entry: Known) -> Units:
     if entry.geometry is None:
         return GEOMETRY[None]
@@ -166,9 +171,16 @@ def _units(entry: Known) -> Units:
     return Units(block=block, hit=hit)
 
 
-def _stand_in_server(log: Path) -> SimpleNamespace:
-    """What failure_text reads of a case's server: its log file."""
-    return SimpleNamespace(log_path=log)
+def _stand_in_play(log: Path) -> SimpleNamespace:
+    """What a session reads of a case's play: the log file of its server
+    (failure_text), and what its record's reproducer names."""
+    return SimpleNamespace(
+        servers=[SimpleNamespace(log_path=log)],
+        noise=None,
+        binding=SimpleNamespace(model="m"),
+        deployment=Deployment(),
+        recompute_atol=None,
+    )
 
 
 def _crash(case_id: str, entry: Known, text: str, tmp_path: Path, how: str) -> None:
@@ -178,9 +190,8 @@ def _crash(case_id: str, entry: Known, text: str, tmp_path: Path, how: str) -> N
     file on disk holds the cause (``how="metrics"``)."""
     log = tmp_path / f"{how}.log"
     log.write_text(f"INFO starting\n{text}\nERROR EngineCore died\n")
-    with expect_known(case_id, (entry,)) as run:
-        run.record = CaseRecord(case_id, units=_units(entry))
-        run.record.play = SimpleNamespace(servers=[_stand_in_server(log)], noise=None)
+    with case_session(case_id, known=(entry,)) as case:
+        case.units, case.play = _units(entry), _stand_in_play(log)
         if how == "request":
             raise ServerError("serve answered a completion with 500", log.read_text())
         raise requests.ConnectionError("metrics: connection refused")
@@ -204,14 +215,18 @@ def test_a_record_shows_its_evidence(case_id, entry):
     assert key in RECORD_FAILURES, f"no failing record for {key}"
     turn = RECORD_FAILURES[key]()
     assert turn.problems, "the oracle accepted the reported failure"
-    with pytest.raises(pytest.xfail.Exception), expect_known(case_id, (entry,)) as run:
-        run.record = CaseRecord(case_id, units=_units(entry), turns=[turn])
-    other = CaseRecord(case_id, units=_units(entry), problems=["another problem"])
+    with (
+        pytest.raises(pytest.xfail.Exception),
+        case_session(case_id, known=(entry,)) as case,
+    ):
+        case.units = _units(entry)
+        case.turns.append(turn)
     with (
         pytest.raises(AssertionError, match="update the table"),
-        expect_known(case_id, (entry,)) as run,
+        case_session(case_id, known=(entry,)) as case,
     ):
-        run.record = other
+        case.units = _units(entry)
+        case.problems.append("another problem")
 
 
 @pytest.fixture(scope="module")

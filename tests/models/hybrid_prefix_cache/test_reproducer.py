@@ -375,18 +375,19 @@ def test_the_harness_writes_it_next_to_a_failing_record(tmp_path, monkeypatch):
     summary: list[harness.CaseRecord] = []
     stale = tmp_path / "sweep-partial.repro.py"
     stale.write_text("stale")
-    with harness.records.reported_case("sweep-partial", summary) as record:
-        record.units = harness.Units(block=256, hit=UNIT)
+    with harness.session.case_session("sweep-partial", summary) as passing:
+        passing.units = harness.Units(block=256, hit=UNIT)
     assert not stale.exists()  # the case passes now
-    with harness.records.reported_case("sweep-partial", summary) as rec:
-        rec.units = harness.Units(block=256, hit=UNIT)
+    with harness.session.case_session("sweep-partial", summary) as case:
+        case.units = harness.Units(block=256, hit=UNIT)
         turn = harness.compare.Turn(
             "", 1, 40, 40, 32, bound=32, prompt=[5] * 40, salt="s-1"
         )
         turn.output, turn.recompute = sample([1, 2], 0), sample([1, 2], 0)
         turn.problems.append("turn 1: cached 0 < expected checkpoint 32")
-        rec.turns.append(turn)
+        case.turns.append(turn)
     assert [r.outcome for r in summary] == ["pass", "FAIL"]
+    record, rec = summary
     assert record.ok and not rec.ok
     assert "turn 1: cached 0 < expected checkpoint 32" in rec.explain()
     data = json.loads((tmp_path / "sweep-partial.json").read_text())

@@ -31,7 +31,6 @@ from tests.models.hybrid_prefix_cache.cpu_binding import (
 )
 from tests.models.hybrid_prefix_cache.harness import (
     Binding,
-    CaseRecord,
     Mode,
     ServerPool,
     server_specs,
@@ -53,6 +52,7 @@ from tests.models.hybrid_prefix_cache.harness.servers import (
     serve,
     start_servers,
 )
+from tests.models.hybrid_prefix_cache.harness.session import CaseSession
 from tests.models.hybrid_prefix_cache.tiny_hybrid import write_tiny_hybrid
 
 # The Ctrl-C test runs a child pytest with pytest's own pytester.
@@ -214,10 +214,10 @@ def test_server_killed_mid_turn(binding):
 
 def test_assertion_failure_in_a_case(binding):
     pool = ServerPool()
-    record = CaseRecord("assertion-failure")
+    case = CaseSession("assertion-failure")
     with (
         pytest.raises(AssertionError, match="injected"),
-        serve_case(record, binding, PLAIN, Mode(), pool) as play,
+        serve_case(case, binding, PLAIN, Mode(), pool) as play,
     ):
         for server in play.servers:
             server.pids()

@@ -116,7 +116,7 @@ DEPLOYMENTS = {
 }
 
 # Cells that cannot pass, per platform, by "<deployment>-<mode>": each must fail with
-# its evidence (harness.expect_known), so a fix shows as a strict XPASS.
+# its evidence (harness/session.py), so a fix shows as a strict XPASS.
 _DCP_SPEC = Known(
     "xfail",
     "FlashInfer MLA DCP decode breaks on ragged spec batches (vLLM #59392): "
@@ -125,7 +125,7 @@ _DCP_SPEC = Known(
     "forward_mqa) selects rejects its per-request causal_seqlens_kv_global, "
     "and the engine dies",
     # FlashInfer's error as seen on GB200, less the batch's shapes; found in the
-    # failing server's log (harness.failure_text) wherever the crash surfaces.
+    # failing server's log (session.failure_text) wherever the crash surfaces.
     evidence="causal_seqlens_kv_global must have shape",
     # 0.34.0 repairs it (mla/flashinfer_mla.py); upstream's test drops these cells.
     releases="<0.34",

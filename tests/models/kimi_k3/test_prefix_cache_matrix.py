@@ -168,7 +168,7 @@ def test_matrix_marks():
             assert any(m.name == "skipif" for m in marks), case_id
         else:
             assert not distributed, case_id
-        # Known failures run under expect_known, not under an xfail mark
+        # Known failures are judged by the case session, not by an xfail mark
         # that any failure would satisfy.
         assert not [m for m in marks if m.name == "xfail"], case_id
         entries = SM100.known_for(case_id)

@@ -148,10 +148,11 @@ def _completion(
     max_tokens: int,
     kv_transfer_params: dict | None,
     ignore_eos: bool = False,
+    priority: int = 0,
 ) -> dict:
     """The body of a greedy completion of ``prompt`` (token ids) under
     ``salt``; ``ignore_eos``: it generates ``max_tokens`` tokens whatever it
-    samples."""
+    samples; ``priority`` for a server of ``--scheduling-policy priority``."""
     body = {
         "model": model,
         "prompt": list(prompt),
@@ -163,6 +164,8 @@ def _completion(
     }
     if ignore_eos:
         body["ignore_eos"] = True
+    if priority:
+        body["priority"] = priority
     if kv_transfer_params is not None:
         body["kv_transfer_params"] = kv_transfer_params
     return body
@@ -197,9 +200,12 @@ def complete(
     max_tokens: int = MAX_TOKENS,
     kv_transfer_params: dict | None = None,
     ignore_eos: bool = False,
+    priority: int = 0,
 ) -> Sample:
     """A greedy completion of ``prompt`` (token ids) under ``salt``."""
-    body = _completion(model, prompt, salt, max_tokens, kv_transfer_params, ignore_eos)
+    body = _completion(
+        model, prompt, salt, max_tokens, kv_transfer_params, ignore_eos, priority
+    )
     response = _post(server, body)
     assert response is not None
     return _answered(server, response, kv_transfer_params)

@@ -6,7 +6,7 @@ them turn by turn against its servers (:func:`run_conversations`)."""
 import random
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -116,7 +116,6 @@ class Play:
     logprob_atol: float | None
     batched: bool = False
     noise: PathNoise | None = None
-    stop: Callable[[Sequence[Turn]], bool] | None = None
     # salts that resumed inside a block (Turn.mid_block)
     off_block_salts: set[str] = field(default_factory=set)
 
@@ -254,11 +253,12 @@ def planned_turn(play: Play, label: str, planned: PlannedTurn) -> Turn:
     )
 
 
-def run_conversations(
+def play_waves(
     play: Play, conversations: Sequence[Conversation], turns: list[Turn]
-) -> None:
+) -> Iterator[int]:
     """Play ``conversations``, each under its own salt, turn by turn into
-    ``turns``; batched, each wave is in flight at once, recomputes after."""
+    ``turns``, yielding after each wave (its index): the caller may stop
+    there. Batched, each wave is in flight at once, recomputes after."""
     states = []
     for conv in conversations:
         rng = random.Random(conv.seed)
@@ -284,8 +284,7 @@ def run_conversations(
         else:
             for args in batch:
                 play_turn(play, *args)
-        if play.stop is not None and play.stop(turns):
-            break
+        yield index
         for i, ((conv, rng, salt, prompt, plan), (turn, _, _)) in enumerate(
             zip(states, batch)
         ):
@@ -296,4 +295,12 @@ def run_conversations(
                 rng, play.binding.token_ids, prompt, turn.output.token_ids
             )
             states[i] = (conv, rng, salt, grown, plan)
+
+
+def run_conversations(
+    play: Play, conversations: Sequence[Conversation], turns: list[Turn]
+) -> None:
+    """Every wave of :func:`play_waves`, then the case's path noise."""
+    for _ in play_waves(play, conversations, turns):
+        pass
     finish_turns(play, turns)

@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The one judge of known failures, for every tier: a listed failure must show
-its evidence (else the table is stale), and a listed pass is a strict XPASS."""
+its evidence (else the table is stale), and a listed pass is a strict XPASS.
+A judgment is decided first and enacted after the case's record is written."""
 
+from dataclasses import dataclass
 from typing import NoReturn
 
 import pytest
@@ -13,30 +15,52 @@ from tests.models.hybrid_prefix_cache.harness.deployment import Known
 KNOWN_VERDICTS = {"xfail": "known xfail", "unsupported": "known refusal"}
 
 
-def judge_failure(case_id: str, entry: Known, text: str, record=None) -> NoReturn:
-    """A listed case failed with ``text``; a record gets the verdict."""
+@dataclass(frozen=True)
+class Judgment:
+    """A listed case's verdict, and the pytest outcome that says it."""
+
+    verdict: str
+    message: str
+
+    def enact(self, cause: BaseException | None = None) -> NoReturn:
+        if self.verdict == KNOWN_VERDICTS["unsupported"]:
+            pytest.skip(self.message)
+        if self.verdict == KNOWN_VERDICTS["xfail"]:
+            pytest.xfail(self.message)
+        if self.verdict == "FAIL: XPASS":
+            pytest.fail(self.message, pytrace=False)
+        raise AssertionError(self.message) from cause
+
+
+def judge_failure(case_id: str, entry: Known, text: str) -> Judgment:
+    """A listed case failed with ``text``."""
     if entry.evidence not in text:
-        if record is not None:
-            record.verdict = "FAIL: stale table"
-        raise AssertionError(
+        return Judgment(
+            "FAIL: stale table",
             f"{case_id} is listed as {entry.kind} ({entry.reason}) and "
-            f"failed, but without {entry.evidence!r}: update the table.\n{text}"
+            f"failed, but without {entry.evidence!r}: update the table.\n{text}",
         )
-    if record is not None:
-        record.verdict = KNOWN_VERDICTS[entry.kind]
     if entry.kind == "unsupported":
-        pytest.skip(f"{entry.reason} (confirmed: {entry.evidence!r})")
-    pytest.xfail(f"{entry.reason} (seen: {entry.evidence!r})")
+        seen = f"{entry.reason} (confirmed: {entry.evidence!r})"
+    else:
+        seen = f"{entry.reason} (seen: {entry.evidence!r})"
+    return Judgment(KNOWN_VERDICTS[entry.kind], seen)
 
 
-def judge_pass(case_id: str, entry: Known, record=None) -> NoReturn:
-    if record is not None:
-        record.verdict = "FAIL: XPASS"
-    pytest.fail(
+def judge_pass(case_id: str, entry: Known) -> Judgment:
+    return Judgment(
+        "FAIL: XPASS",
         f"[XPASS(strict)] {case_id} is listed as {entry.kind} "
         f"({entry.reason}) but passed: remove it from the table",
-        pytrace=False,
     )
+
+
+def evidence_shown(entry: Known | None, problems: list[str]) -> bool:
+    """Where a known bug's evidence is a turn's problem (``in_record``), whether
+    ``problems`` show it: later turns would change nothing."""
+    if entry is None or entry.kind != "xfail" or not entry.in_record:
+        return False
+    return any(entry.evidence in problem for problem in problems)
 
 
 def judge_confirmed_elsewhere(entries: tuple[Known, ...]) -> None:

@@ -1,37 +1,23 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""A case's record: what it observed and its verdict (:class:`CaseRecord`,
-``record.ok`` and ``record.explain()`` for the test's assertion), its turn
-table, and its JSON report and reproducer (:func:`reported_case`)."""
+"""A case's record: the frozen facts of what it observed and its verdict
+(:class:`CaseRecord`, ``record.ok`` and ``record.explain()`` for the test's
+assertion), its turn table, and its JSON report and reproducer
+(:func:`report`)."""
 
-import contextlib
 import json
-import os
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-import pytest
-
-from tests.models.hybrid_prefix_cache.harness.client import (
-    MAX_TOKENS,
-    PREFILL_KV_TRANSFER_PARAMS,
-)
-from tests.models.hybrid_prefix_cache.harness.clock import CLOCK, PhaseClock
 from tests.models.hybrid_prefix_cache.harness.compare import (
-    NUM_LOGPROBS,
     Comparison,
     Sample,
     Turn,
     first_divergence,
 )
-from tests.models.hybrid_prefix_cache.harness.conversation import Play
 from tests.models.hybrid_prefix_cache.harness.deployment import Units
 from tests.models.hybrid_prefix_cache.harness.paths import PathNoise
-from tests.models.hybrid_prefix_cache.harness.reproducer import (
-    serve_info,
-    update_reproducer,
-)
+from tests.models.hybrid_prefix_cache.harness.reproducer import update_reproducer
 from tests.models.hybrid_prefix_cache.harness.servers import report_folder
 
 
@@ -93,42 +79,19 @@ def format_table(
     return "\n".join(lines)
 
 
-@dataclass(repr=False)
-class CaseRecord:
-    """What one case observed, for its table, its JSON record and its
-    verdict. Its repr is one line: pytest prints it under a failed
-    ``assert record.ok``, where ``explain()`` has already said it all."""
+class CaseProblems:
+    """What a case in progress and its record both say of its problems: the
+    problems of its turns and its own, and its turn table."""
 
     case_id: str
-    # The pytest node that ran the case, if any (dev/benchmark_cpu_tier.py).
-    test: str = ""
-    units: Units | None = None
-    turns: list[Turn] = field(default_factory=list)
-    metrics: dict = field(default_factory=dict)
-    problems: list[str] = field(default_factory=list)
-    notices: list[str] = field(default_factory=list)
-    startup_seconds: list[float] = field(default_factory=list)
-    reused: bool | None = None  # None: no servers (their start failed)
-    seconds: float = 0.0
-    phases: PhaseClock = field(default_factory=PhaseClock, repr=False)
-    outcome: str = ""
-    # The summary's word where a known-failure table judged the outcome:
-    # known xfail, known refusal, or FAIL (stale table, XPASS); else outcome.
-    verdict: str = ""
-    play: Play | None = field(default=None, repr=False)  # for the reproducer
-
-    def __repr__(self) -> str:
-        outcome = self.verdict or self.outcome or "running"
-        return f"CaseRecord({self.case_id!r}: {outcome}, {len(self.turns)} turns)"
-
-    @property
-    def noise(self) -> PathNoise | None:
-        """The path noise its cold controls measured, if any."""
-        return self.play.noise if self.play is not None else None
+    units: Units | None
+    turns: Sequence[Turn]
+    problems: Sequence[str]
+    noise: PathNoise | None
 
     def failures(self) -> list[str]:
         """Every problem the case found: its turns', then its own."""
-        return [p for turn in self.turns for p in turn.problems] + self.problems
+        return [p for turn in self.turns for p in turn.problems] + list(self.problems)
 
     @property
     def ok(self) -> bool:
@@ -142,6 +105,37 @@ class CaseRecord:
             [f"{self.case_id}: {len(failures)} problem(s)", *failures, ""]
             + [format_table(self.case_id, self.units, self.turns, self.noise)]
         )
+
+
+@dataclass(frozen=True, repr=False)
+class CaseRecord(CaseProblems):
+    """What one case observed, and its verdict: the facts its table, JSON
+    record and reproducer are written from, frozen when the case ends
+    (harness/session.py). Its repr is one line: pytest prints it under a
+    failed ``assert record.ok``, where ``explain()`` has already said it all."""
+
+    case_id: str
+    # The pytest node that ran the case, if any (dev/benchmark_cpu_tier.py).
+    test: str = ""
+    units: Units | None = None
+    turns: tuple[Turn, ...] = ()
+    metrics: Mapping = field(default_factory=dict)
+    problems: tuple[str, ...] = ()
+    notices: tuple[str, ...] = ()
+    startup_seconds: tuple[float, ...] = ()
+    reused: bool | None = None  # None: no servers (their start failed)
+    seconds: float = 0.0
+    phase_seconds: Mapping[str, float] = field(default_factory=dict)
+    outcome: str = ""
+    # The summary's word where a known-failure table judged the outcome:
+    # known xfail, known refusal, or FAIL (stale table, XPASS); else outcome.
+    verdict: str = ""
+    noise: PathNoise | None = None  # what its cold controls measured
+    serve: Mapping | None = None  # its servers, for the reproducer
+
+    def __repr__(self) -> str:
+        outcome = self.verdict or self.outcome
+        return f"CaseRecord({self.case_id!r}: {outcome}, {len(self.turns)} turns)"
 
     def as_json(self) -> dict:
         def sample(s: Sample | None) -> dict | None:
@@ -162,9 +156,10 @@ class CaseRecord:
             "case_id": self.case_id,
             "test": self.test,
             "outcome": self.outcome,
+            "verdict": self.verdict,
             "seconds": round(self.seconds, 2),
             "phase_seconds": {
-                name: round(seconds, 2) for name, seconds in self.phases.seconds.items()
+                name: round(seconds, 2) for name, seconds in self.phase_seconds.items()
             },
             "server_startup_seconds": [round(s, 2) for s in self.startup_seconds],
             "servers_reused": self.reused,
@@ -207,50 +202,24 @@ class CaseRecord:
             "path_noise": None
             if self.noise is None
             else {**vars(self.noise), "tolerance": self.noise.tolerance},
-            "metrics_deltas": self.metrics,
-            "problems": self.problems,
-            "notices": self.notices,
-            "serve": serve_info(
-                self.play, MAX_TOKENS, NUM_LOGPROBS, PREFILL_KV_TRANSFER_PARAMS
-            ),
+            "metrics_deltas": dict(self.metrics),
+            "problems": list(self.problems),
+            "notices": list(self.notices),
+            "serve": None if self.serve is None else dict(self.serve),
         }
 
 
-@contextlib.contextmanager
-def reported_case(
-    case_id: str, summary: list[CaseRecord] | None = None
-) -> Iterator[CaseRecord]:
-    """Print the case's turn table, write its JSON record (and, if it
-    failed, its reproducer) and append it to ``summary`` however it ends.
-    Problems do not raise here: the caller asserts ``record.ok``."""
-    # pytest names the running test as "<node id> (<phase>)".
-    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
-    record = CaseRecord(case_id, test=test)
-    start = time.monotonic()
-    clock = CLOCK.set(record.phases)
-    try:
-        yield record
-    except BaseException as e:
-        if isinstance(e, pytest.skip.Exception):
-            record.outcome = "skipped"
-        elif isinstance(e, pytest.xfail.Exception):
-            record.outcome = "xfail"
-        else:
-            record.outcome = f"error: {type(e).__name__}"
-        raise
-    finally:
-        CLOCK.reset(clock)
-        record.seconds = time.monotonic() - start
-        if not record.outcome:
-            record.outcome = "pass" if record.ok else "FAIL"
-        print("\n" + format_table(case_id, record.units, record.turns, record.noise))
-        for notice in [n for t in record.turns for n in t.notices] + record.notices:
-            print(f"notice: {notice}")
-        for problem in record.problems:
-            print(f"problem: {problem}")
-        if summary is not None:
-            summary.append(record)
-        path = report_folder() / f"{case_id}.json"
-        data = record.as_json()
-        path.write_text(json.dumps(data, indent=1))
-        update_reproducer(data, report_folder())  # <case_id>.repro.py on FAIL
+def report(record: CaseRecord, summary: list[CaseRecord] | None = None) -> None:
+    """Print the record's turn table, notices and problems, append it to
+    ``summary``, and write its JSON record (and, if it failed, its
+    reproducer)."""
+    print("\n" + format_table(record.case_id, record.units, record.turns, record.noise))
+    for notice in [n for t in record.turns for n in t.notices] + [*record.notices]:
+        print(f"notice: {notice}")
+    for problem in record.problems:
+        print(f"problem: {problem}")
+    if summary is not None:
+        summary.append(record)
+    data = record.as_json()
+    (report_folder() / f"{record.case_id}.json").write_text(json.dumps(data, indent=1))
+    update_reproducer(data, report_folder())  # <case_id>.repro.py on FAIL

@@ -1,11 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""A case's counter window: each server's counters and ledger at its start
-(:func:`open_window`), reconciled at its end (:func:`close_window`)."""
+"""A case's counter window, owned by its session: each server's counters and
+ledger of answered completions at its start (:func:`open_window`), what the
+case knows its engines saw unanswered, reconciled at its end
+(:func:`close_window`)."""
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tests.models.hybrid_prefix_cache.harness.client import (
     METRICS_POLL_INTERVAL,
@@ -28,11 +30,18 @@ from tests.models.hybrid_prefix_cache.harness.servers import Server
 
 @dataclass
 class Window:
-    """Counters and usage ledgers of a case's servers at its start."""
+    """Counters and usage ledgers of a case's servers at its start, and the
+    requests their engines saw that no completion answered (an abort)."""
 
     servers: Sequence[Server]
     counters: list[dict[str, float | None]]
     ledgers: list[Ledger]
+    unanswered: list[Ledger] = field(default_factory=list)
+
+    def book_unanswered(self, server: Server, entry: Ledger) -> None:
+        """A request ``server``'s engine saw but never answered."""
+        index = next(i for i, s in enumerate(self.servers) if s is server)
+        self.unanswered[index] = self.unanswered[index] + entry
 
 
 def open_window(servers: Sequence[Server]) -> Window:
@@ -40,6 +49,7 @@ def open_window(servers: Sequence[Server]) -> Window:
         servers,
         [read_counters(server) for server in servers],
         [server.ledger for server in servers],
+        [Ledger() for _ in servers],
     )
 
 
@@ -56,7 +66,7 @@ def close_window(
     for index, server in enumerate(window.servers):
         spec = server.spec
         name = spec.name
-        ledger = server.ledger - window.ledgers[index]
+        ledger = server.ledger - window.ledgers[index] + window.unanswered[index]
         before = window.counters[index]
 
         def check(

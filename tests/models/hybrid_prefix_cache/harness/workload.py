@@ -3,6 +3,7 @@
 """What a workload is, and what its play on real servers is given."""
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -16,6 +17,7 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (
 )
 from tests.models.hybrid_prefix_cache.harness.records import CaseRecord
 from tests.models.hybrid_prefix_cache.harness.rules import NUM_TURNS
+from tests.models.hybrid_prefix_cache.harness.session import CaseSession, case_session
 
 
 class InProcess(Protocol):
@@ -44,6 +46,10 @@ class WorkloadRun:
     num_turns: int = NUM_TURNS
     resend: bool = True
     in_process: InProcess | None = None
+
+    def session(self) -> AbstractContextManager[CaseSession]:
+        """The case's session, judged by its known failures."""
+        return case_session(self.case_id, self.suite.records, self.known)
 
     def needs_in_process(self) -> InProcess:
         if self.in_process is None:

@@ -5,8 +5,8 @@
 Each instance is a real ``Scheduler`` over a real ``KVCacheManager`` and KV
 connector; only the workers are stood in for (:class:`StandInWorker`). Counters
 move as v1/metrics/loggers.py PrometheusStatLogger.record moves them. Modules
-``engine``, ``cpu``, ``stated``, ``workers``, ``servers``, ``play``, ``judge``
-and ``cell`` each import only those before them.
+``engine``, ``cpu``, ``stated``, ``workers``, ``servers``, ``play``, ``abort``,
+``preempt``, ``judge`` and ``cell`` each import only those before them.
 """
 
 # The package's public names; F401: these imports are the re-exports.

@@ -34,6 +34,7 @@ class Setting:
     num_blocks: int | None = None
     async_scheduling: bool | None = None
     max_model_len: int | None = None
+    policy: str | None = None  # --scheduling-policy
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ class ReplayCell:
         text += f"(vLLM: {workload.rule}):\n" + "\n".join(problems)
         known = self.known.get(workload.name)
         if known is not None:
-            judge_failure(f"{self.cell_id}-{workload.name}", known, text)
+            judge_failure(f"{self.cell_id}-{workload.name}", known, text).enact()
         pytest.fail(f"{text}\n{detail}", pytrace=False)
 
     def replay(self, workload: Workload, *variant: str) -> None:
@@ -118,7 +119,7 @@ class ReplayCell:
             self.fail(workload, [f"{type(e).__name__}: {e}"], "")
         known = self.known.get(workload.name)
         if known is not None:
-            judge_pass(f"{self.cell_id}-{workload.name}", known)
+            judge_pass(f"{self.cell_id}-{workload.name}", known).enact()
 
     def play_conversations(
         self,

@@ -57,7 +57,7 @@ def send(
     return decode, prefill.cached_tokens, decoder_hit
 
 
-def _hit_and_recompute(
+def hit_and_recompute(
     servers: Sequence[ReplayServer],
     deployment: harness.Deployment,
     prompt: list[int],
@@ -114,7 +114,7 @@ def play_conversations(
                 conv, _, salt, prompt = state
                 planned = plan[index]
                 assert planned.prompt_len == len(prompt), "the plan and the prompt"
-                output, hit, recomputed, _ = _hit_and_recompute(
+                output, hit, recomputed, _ = hit_and_recompute(
                     servers, deployment, prompt, salt, f"recompute-{salt}-{index}"
                 )
                 results.append(TurnResult(conv.label, planned, hit, recomputed))
@@ -196,7 +196,7 @@ def play_resend(
     _, cold, decoder_hit = send(servers, prompt, salt)
     planned = harness.rules.PlannedTurn(0, prompt_len, 0)
     results.append(TurnResult("", planned, cold, None, decoder_hit))
-    _, hit, recomputed, decoder_hit = _hit_and_recompute(
+    _, hit, recomputed, decoder_hit = hit_and_recompute(
         servers, deployment, prompt, salt, f"recompute-{seed}"
     )
     resend = harness.rules.PlannedTurn(1, prompt_len, prompt_len, resend=True)

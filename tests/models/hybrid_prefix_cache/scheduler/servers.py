@@ -5,7 +5,7 @@
 counter deltas, and a deployment's servers (:func:`servers_for`)."""
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from tests.models.hybrid_prefix_cache import harness
 from tests.models.hybrid_prefix_cache.scheduler.engine import Engine
@@ -16,6 +16,7 @@ from tests.models.hybrid_prefix_cache.scheduler.workers import (
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
@@ -41,6 +42,14 @@ class EngineLoop:
         self.worker = StandInWorker(self.scheduler, token_ids, world_size)
         self.depth = engine.vllm_config.max_concurrent_batches
         self.queue: list[tuple] = []
+        # Called with the scheduler and each step's output as it is scheduled.
+        self.watchers: list[Callable[[Scheduler, SchedulerOutput], None]] = []
+
+    def _schedule(self) -> SchedulerOutput:
+        output = self.scheduler.schedule()
+        for watch in self.watchers:
+            watch(self.scheduler, output)
+        return output
 
     def step(self, record) -> bool:
         """One engine step; False when the engine has nothing to do."""
@@ -48,7 +57,7 @@ class EngineLoop:
         if self.depth == 1:
             if not scheduler.has_requests():
                 return False
-            output = scheduler.schedule()
+            output = self._schedule()
             result = self.worker.execute(output)
             record(scheduler.update_from_output(output, result))
             if output.total_num_scheduled_tokens > 0 and (
@@ -57,7 +66,7 @@ class EngineLoop:
                 scheduler.update_draft_token_ids(drafts)
             return True
         if scheduler.has_requests():
-            output = scheduler.schedule()
+            output = self._schedule()
             self.queue.insert(0, (output, self.worker.execute(output)))
             if len(self.queue) < self.depth and (
                 output.total_num_scheduled_tokens > 0 or scheduler.has_requests()
@@ -154,6 +163,7 @@ class ReplayServer:
         salt: str,
         max_tokens: int,
         kv_transfer_params: Mapping | None = None,
+        priority: int = 0,
     ) -> Completion:
         """Add a greedy completion request as the API server would."""
         loop = self.loops[self.requests % len(self.loops)]
@@ -168,7 +178,7 @@ class ReplayServer:
             logprobs=harness.compare.NUM_LOGPROBS,
             extra_args=extra,
         )
-        request = self.request(request_id, prompt, salt, params)
+        request = self.request(request_id, prompt, salt, params, priority)
         completion = Completion(request_id, list(prompt), prompt_tokens=len(prompt))
         self.completions[request_id] = completion
         self.routed[request_id] = loop
@@ -181,6 +191,7 @@ class ReplayServer:
         prompt: Sequence[int],
         salt: str,
         params: SamplingParams,
+        priority: int = 0,
     ) -> Request:
         """A request of ``prompt`` under ``salt``, hashed as this server's
         engine core hashes it."""
@@ -191,6 +202,7 @@ class ReplayServer:
             pooling_params=None,
             cache_salt=salt,
             block_hasher=self.hasher,
+            priority=priority,
         )
 
     def settle(self, completion: Completion, sent: Mapping | None) -> None:

@@ -45,6 +45,7 @@ def stated_engine(
     max_num_seqs: int,
     async_scheduling: bool,
     num_blocks: int,
+    scheduling_policy: str = "fcfs",
 ) -> Engine:
     """Scheduler-side objects for ``instance`` in ``mode`` at a stated
     ``geometry``; ``model`` is any local hybrid checkpoint. A drafter without
@@ -80,6 +81,7 @@ def stated_engine(
         decode_context_parallel_size=instance.dcp,
         kv_transfer_config=instance.kv_config,
         speculative_config=stand_in_spec or spec,
+        scheduling_policy=scheduling_policy,
         enforce_eager=True,
     )
     vllm_config = build_config(args)

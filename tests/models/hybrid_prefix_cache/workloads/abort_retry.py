@@ -6,12 +6,9 @@ no step wrote)."""
 
 import random
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 from tests.models.hybrid_prefix_cache.harness.cases import serve_case
 from tests.models.hybrid_prefix_cache.harness.client import (
-    MAX_TOKENS,
     PREFILL_KV_TRANSFER_PARAMS,
     complete,
     give_up,
@@ -28,19 +25,15 @@ from tests.models.hybrid_prefix_cache.harness.conversation import (
     recompute_turn,
     send_turn,
 )
-from tests.models.hybrid_prefix_cache.harness.deployment import Deployment, Units
+from tests.models.hybrid_prefix_cache.harness.deployment import Units
 from tests.models.hybrid_prefix_cache.harness.reconcile import (
     FIRST_TOKENS,
     PREFIX_QUERIES,
     REQUESTS_DONE,
     aborted_entry,
     counter_deltas,
-    ledger_entry,
 )
-from tests.models.hybrid_prefix_cache.harness.records import (
-    CaseRecord,
-    reported_case,
-)
+from tests.models.hybrid_prefix_cache.harness.records import CaseRecord
 from tests.models.hybrid_prefix_cache.harness.rules import (
     FIRST_PROMPT_BLOCKS,
     FIRST_PROMPT_TAIL,
@@ -48,15 +41,12 @@ from tests.models.hybrid_prefix_cache.harness.rules import (
     prompt_end_checkpoint,
 )
 from tests.models.hybrid_prefix_cache.harness.workload import Workload, WorkloadRun
+from tests.models.hybrid_prefix_cache.scheduler.abort import (
+    play_abort_retry,
+    play_overlapping_retry,
+)
 from tests.models.hybrid_prefix_cache.scheduler.cell import ReplayCell, Setting
 from tests.models.hybrid_prefix_cache.scheduler.judge import controls
-from tests.models.hybrid_prefix_cache.scheduler.play import _hit_and_recompute
-from tests.models.hybrid_prefix_cache.scheduler.servers import (
-    STEP_LIMIT,
-    EngineLoop,
-    ReplayServer,
-)
-from vllm.v1.request import RequestStatus
 
 
 def abort_length(units: Units, budget: int) -> int:
@@ -155,8 +145,8 @@ def play(run: WorkloadRun) -> CaseRecord:
     )
     budget = run.needs_in_process().budget(deployment, mode)
     with (
-        reported_case(case_id, run.suite.records) as record,
-        serve_case(record, binding, deployment, mode, run.suite.pool) as play,
+        run.session() as case,
+        serve_case(case, binding, deployment, mode, run.suite.pool) as play,
     ):
         servers, model = play.servers, binding.model
         caching, pd = servers[0], len(servers) > 1
@@ -168,7 +158,7 @@ def play(run: WorkloadRun) -> CaseRecord:
             for index in range(2)
         ]
         for clock in clocks:
-            record.turns.append(clock)
+            case.turns.append(clock)
             start = time.monotonic()
             clock.output = send(servers, model, prompt, clock.salt)
             clock.seconds = time.monotonic() - start
@@ -193,11 +183,11 @@ def play(run: WorkloadRun) -> CaseRecord:
                         kv_transfer_params=answered.kv_transfer_params,
                     )
                 # Answered before the client gave up: a cold request.
-                record.turns.append(
+                case.turns.append(
                     Turn("answered", attempt, length, 0, 0, output=answered)
                 )
             retry = planned_turn(play, "retry", PlannedTurn(attempt, length, length))
-            record.turns.append(retry)
+            case.turns.append(retry)
             send_turn(play, retry, prompt, salt)
             # Counted once the retry's (and its twin's) stats are exported.
             sent = 1 + (retry.twin is not None)
@@ -211,10 +201,10 @@ def play(run: WorkloadRun) -> CaseRecord:
                     queried or 0.0, first_tokens or 0.0, seen, answered=sent
                 )
                 if landed != "before admission":
-                    caching.record(aborted_entry(seen))
+                    case.window.book_unanswered(caching, aborted_entry(seen))
             retry.expected = abort_checkpoint(landed, seen, play.units, mode.drops_unit)
             recompute_turn(play, retry)
-            record.notices.append(
+            case.notices.append(
                 f"attempt {attempt}: the client gave up after {after * 1e3:.0f} ms "
                 f"(a cold request took {took * 1e3:.0f} ms): {landed}; the retry "
                 f"cached {retry.restored}"
@@ -223,158 +213,21 @@ def play(run: WorkloadRun) -> CaseRecord:
                 break
             after = after * 2 if landed == "before admission" else after / 2
         else:
-            record.problems.append(
+            case.problems.append(
                 f"abort-retry: no abort of the {seen}-token prompt landed "
                 f"mid-prefill in {ABORT_ATTEMPTS} attempts (the notices say "
                 f"where each did)"
             )
-        finish_turns(play, record.turns)
-        if not record.ok:
-            record.problems.append(
+        finish_turns(play, case.turns)
+        if not case.ok:
+            case.problems.append(
                 WORKLOAD.failure(
                     f"a {length}-token prompt, its first chunk of {budget} tokens "
                     f"a step ending on its checkpoint"
                 )
             )
-    return record
-
-
-def _in_flight(loop: EngineLoop, request_id: str) -> int:
-    """Tokens of ``request_id`` scheduled in steps whose outputs the engine
-    has not processed yet (asynchronous scheduling keeps one in flight)."""
-    return sum(
-        output.num_scheduled_tokens.get(request_id, 0) for output, _ in loop.queue
-    )
-
-
-@dataclass(frozen=True)
-class AbortRetry:
-    prompt_len: int
-    # Tokens computed by processed steps at the abort, and in flight.
-    written: int
-    in_flight: int
-    hit: int
-    recompute_hit: int
-
-
-def play_abort_retry(
-    servers: Sequence[ReplayServer],
-    deployment: Deployment,
-    prompt_len: int,
-    seed: str,
-    token_ids: tuple[int, int],
-) -> AbortRetry:
-    """A cold request aborted mid-prefill as the API server aborts it
-    (Scheduler.finish_requests), then the same prompt and salt at once, and its
-    recompute. Asynchronously (no P/D) the abort lands with the chunk that
-    publishes the last checkpoint in flight (vLLM #56525's race); otherwise
-    after the first chunk."""
-    prompt = random_tokens(random.Random(seed), token_ids, prompt_len)
-    salt = f"abort-{seed}"
-    first = servers[0]
-    sent = None if len(servers) == 1 else PREFILL_KV_TRANSFER_PARAMS
-    aborted = first.submit(prompt, salt, 1 if sent else MAX_TOKENS, sent)
-    loop = first.routed[aborted.request_id]
-    # num_computed_tokens counts a step in flight.
-    race = loop.depth > 1 and sent is None
-    until = prompt_len if race else 1
-    request = None
-    while request is None or request.num_computed_tokens < until:
-        assert first.step(), "the aborted request was never scheduled"
-        request = loop.scheduler.requests.get(aborted.request_id)
-        assert request is not None, "the request finished before it was aborted"
-    in_flight = _in_flight(loop, aborted.request_id)
-    written = request.num_computed_tokens - in_flight
-    assert written < prompt_len, "the abort did not land mid-prefill"
-    loop.scheduler.finish_requests([aborted.request_id], RequestStatus.FINISHED_ABORTED)
-    # Its prompt was looked up and counted at admission; it was cold.
-    first.ledger += ledger_entry(prompt_len, 0, sent)
-    if not race:
-        first.drain()
-    _, hit, recomputed, _ = _hit_and_recompute(
-        servers, deployment, prompt, salt, f"recompute-{seed}"
-    )
-    for server in servers:
-        server.drain()
-    return AbortRetry(prompt_len, written, in_flight, hit, recomputed)
-
-
-@dataclass(frozen=True)
-class OverlappingRetry:
-    prompt_len: int
-    # The original's tokens scheduled before the retry's first step, and
-    # how far it had got when aborted.
-    written: int
-    aborted_at: int
-    hit: int
-    recompute_hit: int
-
-
-def play_overlapping_retry(
-    servers: Sequence[ReplayServer],
-    deployment: Deployment,
-    prompt_len: int,
-    seed: str,
-    token_ids: tuple[int, int],
-) -> OverlappingRetry:
-    """A retry sent while its original still prefills, then the original aborted,
-    under one salt: the retry is admitted beside one of the original's chunks,
-    possibly the one that publishes the last checkpoint and writes it only as
-    it runs. Then its recompute."""
-    prompt = random_tokens(random.Random(seed), token_ids, prompt_len)
-    salt = f"overlap-{seed}"
-    first = servers[0]
-    sent = None if len(servers) == 1 else PREFILL_KV_TRANSFER_PARAMS
-    max_tokens = 1 if sent else MAX_TOKENS
-    original = first.submit(prompt, salt, max_tokens, sent)
-    loop = first.routed[original.request_id]
-    # Round-robin under DP: a short request for each other engine.
-    filler = random_tokens(random.Random(f"{seed}-pad"), token_ids, 8)
-    pads = [
-        first.submit(filler, f"pad-{seed}-{rank}", 1)
-        for rank in range(1, len(first.loops))
-    ]
-    assert first.step(), "the original was never scheduled"
-    retry = first.submit(prompt, salt, max_tokens, sent)
-    assert first.routed[retry.request_id] is loop, "the retry went to another engine"
-    scheduler = loop.scheduler
-    written = 0
-    for _ in range(STEP_LIMIT):
-        state = scheduler.requests.get(original.request_id)
-        written = state.num_computed_tokens if state is not None else prompt_len
-        assert first.step(), "the retry was never scheduled"
-        request = scheduler.requests.get(retry.request_id)
-        # Scheduled, or finished (a one-token prefill leg).
-        if request is None or request.status != RequestStatus.WAITING:
-            break
-    else:
-        raise AssertionError(f"the retry was not scheduled in {STEP_LIMIT} steps")
-    state = scheduler.requests.get(original.request_id)
-    aborted = state is not None and not original.finished
-    aborted_at = state.num_computed_tokens if aborted else prompt_len
-    if aborted:
-        scheduler.finish_requests([original.request_id], RequestStatus.FINISHED_ABORTED)
-        # Its prompt was looked up and counted at admission; it was cold.
-        first.ledger += ledger_entry(prompt_len, 0, sent)
-    first.finish(retry)
-    assert retry.cached_tokens is not None
-    hit = retry.cached_tokens
-    # Under P/D, the decode leg of each prefill that finished.
-    for completion in (retry,) if aborted else (original, retry):
-        first.settle(completion, sent)
-        if sent is not None:
-            params = completion.kv_transfer_params
-            servers[-1].complete(prompt, salt, kv_transfer_params=params)
-    for pad in pads:
-        first.settle(pad, None)
-    first.drain()
-    recompute = servers[-1].complete(prompt, f"recompute-{seed}")
-    assert recompute.cached_tokens is not None
-    for server in servers:
-        server.drain()
-    return OverlappingRetry(
-        prompt_len, written, aborted_at, hit, recompute.cached_tokens
-    )
+    assert case.record is not None
+    return case.record
 
 
 def replay(cell: ReplayCell, scheduling: str) -> None:

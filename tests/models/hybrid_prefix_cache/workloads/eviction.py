@@ -27,10 +27,7 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (
     with_serve_args,
 )
 from tests.models.hybrid_prefix_cache.harness.reconcile import PREFIX_HITS
-from tests.models.hybrid_prefix_cache.harness.records import (
-    CaseRecord,
-    reported_case,
-)
+from tests.models.hybrid_prefix_cache.harness.records import CaseRecord
 from tests.models.hybrid_prefix_cache.harness.rules import (
     FIRST_PROMPT_TAIL,
     TURN_TOKENS,
@@ -113,11 +110,11 @@ def play(run: WorkloadRun) -> CaseRecord:
     plan_ = plan(run.needs_in_process(), binding, run.deployment, mode, case_id)
     served = with_serve_args(run.deployment, plan_.args)
     with (
-        reported_case(case_id, run.suite.records) as record,
-        serve_case(record, binding, served, mode, run.suite.pool) as play,
+        run.session() as case,
+        serve_case(case, binding, served, mode, run.suite.pool) as play,
     ):
         if plan_.held == plan_.held_before:
-            record.problems.append(
+            case.problems.append(
                 f"eviction: the replay's {plan_.pressure} pressure requests evicted "
                 f"nothing of the conversation (each group held {list(plan_.held)} "
                 f"before and after them)"
@@ -128,7 +125,7 @@ def play(run: WorkloadRun) -> CaseRecord:
         prompt = random_tokens(rng, tokens, first_len)
         salt = fresh_salt("eviction")
         first = Turn("first", 0, first_len, 0, 0, prompt=prompt, salt=salt)
-        record.turns.append(first)
+        case.turns.append(first)
         first.output = send(play.servers, binding.model, prompt, salt, first.problems)
         grown = grown_prompt(rng, tokens, prompt, first.output.token_ids)
         filler = eviction_filler(play.units)
@@ -136,13 +133,13 @@ def play(run: WorkloadRun) -> CaseRecord:
             other = random_tokens(rng, tokens, filler)
             pressure = Turn("pressure", index, filler, 0, 0, prompt=other)
             pressure.salt = fresh_salt("pressure")
-            record.turns.append(pressure)
+            case.turns.append(pressure)
             pressure.output = send(
                 play.servers, binding.model, other, pressure.salt, pressure.problems
             )
         turn = planned_turn(play, "evicted", PlannedTurn(1, len(grown), first_len))
         turn.expected, turn.bound = plan_.hit, min(plan_.held)
-        record.turns.append(turn)
+        case.turns.append(turn)
         play_turn(play, turn, grown, salt)
         assert turn.output is not None
         hits = {
@@ -163,26 +160,27 @@ def play(run: WorkloadRun) -> CaseRecord:
                 f"for its decode leg, vLLM's scheduler replayed on its engine hit "
                 f"{plan_.decoder_hit}"
             )
-        finish_turns(play, record.turns)
+        finish_turns(play, case.turns)
         decoder = (
             ""
             if plan_.decoder_hit is None
             else f" (the decoder's own cache {plan_.decoder_hit})"
         )
-        record.notices.append(
+        case.notices.append(
             f"{plan_.pressure} pressure requests of {filler} tokens; replayed "
             f"in-process, each group held {list(plan_.held_before)} of the next "
             f"turn before them and {list(plan_.held)} after, and vLLM's "
             f"scheduler hit {plan_.hit}{decoder}"
         )
-        if not record.ok:
-            record.problems.append(
+        if not case.ok:
+            case.problems.append(
                 WORKLOAD.failure(
                     f"a pool of {' '.join(plan_.args)}, {plan_.pressure} "
                     f"pressure requests"
                 )
             )
-    return record
+    assert case.record is not None
+    return case.record
 
 
 def plan(

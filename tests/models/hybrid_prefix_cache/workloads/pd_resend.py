@@ -61,6 +61,7 @@ def play(run: WorkloadRun) -> CaseRecord:
         resend_length,
         WORKLOAD,
         decoder_problems,
+        run.known,
     )
 
 

@@ -5,11 +5,14 @@ preempts one and later resumes it, replaying its prompt and output as a
 prefill. Its chunks must end on block boundaries, where the worker writes
 the states their hashes name (vLLM #33706 split only new requests), so a
 request that shares its prompt and output hits the rule's checkpoint and
-matches its recompute."""
+matches its recompute. Request i is sent at priority i under vLLM's priority
+policy, so which one is preempted is the request's own property, not its
+arrival time (Scheduler.schedule preempts the running request of the largest
+(priority, arrival_time))."""
 
 import random
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tests.models.hybrid_prefix_cache.harness.cases import serve_case
@@ -33,10 +36,7 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (
     Units,
     with_serve_args,
 )
-from tests.models.hybrid_prefix_cache.harness.records import (
-    CaseRecord,
-    reported_case,
-)
+from tests.models.hybrid_prefix_cache.harness.records import CaseRecord
 from tests.models.hybrid_prefix_cache.harness.rules import (
     FIRST_PROMPT_TAIL,
     PlannedTurn,
@@ -50,20 +50,15 @@ from tests.models.hybrid_prefix_cache.harness.workload import (
 )
 from tests.models.hybrid_prefix_cache.scheduler.cell import ReplayCell, Setting
 from tests.models.hybrid_prefix_cache.scheduler.judge import controls
-from tests.models.hybrid_prefix_cache.scheduler.servers import (
-    EngineLoop,
-    ReplayServer,
+from tests.models.hybrid_prefix_cache.scheduler.preempt import (
+    Preemption,
+    play_preemption,
+    sized_preemption,
 )
 
 # The prompts end this many tokens short of an attention block, so that each
 # request needs a block more after as many decode steps.
 SHORT_OF_BLOCK = 8
-# Pools tried, up to this many times the smallest vLLM accepts, and the most
-# requests sent at once to each.
-MAX_POOL_GROWTH = 4
-MAX_REQUESTS = 8
-# How vLLM refuses a pool too small (v1/core/kv_cache_utils.py).
-POOL_REFUSALS = ("To serve at least one request", "No available memory for the cache")
 # Prometheus name of vLLM's preemption counter (v1/metrics/loggers.py).
 PREEMPTIONS = "vllm:num_preemptions_total"
 
@@ -91,6 +86,11 @@ class Shape:
         return self.units.block + self.units.block // 2
 
     @property
+    def lengths(self) -> tuple[int, int]:
+        """Each request's prompt and output lengths."""
+        return self.prompt_len, self.max_tokens
+
+    @property
     def max_len(self) -> int:
         return self.prompt_len + self.max_tokens + FIRST_PROMPT_TAIL + MAX_TOKENS
 
@@ -99,7 +99,10 @@ class Shape:
             ("--kv-cache-memory-bytes", str(kv_cache_bytes)) if kv_cache_bytes else ()
         )
         budget, length = str(self.budget), str(self.max_len)
-        return ("--max-num-batched-tokens", budget, "--max-model-len", length, *pool)
+        return (
+            *("--max-num-batched-tokens", budget, "--max-model-len", length),
+            *("--scheduling-policy", "priority", *pool),
+        )
 
 
 def shape_of(units: Units, deployment: Deployment) -> Shape:
@@ -118,128 +121,6 @@ def chunk_problems(
         for start, end in chunks
         if end < prefill_end and end % block and end != checkpoint
     ]
-
-
-@dataclass(frozen=True)
-class Preemption:
-    """What the replay saw: the preempted request's outputs when it was
-    preempted, its resumed prefill's chunks and end, and each follow-up's
-    hit and recompute hit (the resumed request's first)."""
-
-    requests: int
-    resumed: int
-    preempted_at: int
-    chunks: tuple[tuple[int, int], ...]
-    prefill_end: int
-    block: int
-    hits: tuple[int, int]
-    recompute_hits: tuple[int, int]
-
-
-def _observe(loop: EngineLoop, log: list) -> Callable[[], None]:
-    """Record each step's preemptions and chunks; returns the undo."""
-    scheduler = loop.scheduler
-    schedule = scheduler.schedule
-
-    def observed(*a, **kw):
-        output = schedule(*a, **kw)
-        for request_id in output.preempted_req_ids or ():
-            request = scheduler.requests[request_id]
-            log.append(("preempted", request_id, request.num_output_tokens, 0))
-        for request_id, count in output.num_scheduled_tokens.items():
-            request = scheduler.requests[request_id]
-            end = request.num_computed_tokens
-            log.append(("chunk", request_id, end - count, end, request.num_tokens))
-        return output
-
-    scheduler.schedule = observed
-    return lambda: setattr(scheduler, "schedule", schedule)
-
-
-def play_preemption(
-    servers: Sequence[ReplayServer], shape: Shape, requests: int, seed: str, token_ids
-) -> Preemption | None:
-    """``requests`` requests at once on the first engine (pads between them
-    under DP), then the follow-ups of the last one preempted while decoding
-    and of the first, with recomputes; None where no decoding request was
-    preempted."""
-    server, rng = servers[0], random.Random(seed)
-    prompt_len, max_tokens = shape.prompt_len, shape.max_tokens
-    loop, log = server.loops[0], []
-    undo = _observe(loop, log)
-    sent, pads = [], []
-    for index in range(requests):
-        prompt = random_tokens(rng, token_ids, prompt_len)
-        sent.append(server.submit(prompt, f"{seed}-{index}", max_tokens))
-        pads += [
-            server.submit(random_tokens(rng, token_ids, 8), f"pad-{index}-{rank}", 1)
-            for rank in range(1, len(server.loops))
-        ]
-    for completion in sent:
-        server.finish(completion)
-    server.drain()
-    undo()
-    for completion in (*sent, *pads):
-        server.settle(completion, None)
-    resumed = [e for e in log if e[0] == "preempted" and e[2] > 0]
-    if not resumed:
-        return None
-    request_id = resumed[-1][1]
-    after = log[log.index(resumed[-1]) :]
-    chunks = [(e[2], e[3]) for e in after if e[:2] == ("chunk", request_id)]
-    prefill_end = next(e[4] for e in after if e[:2] == ("chunk", request_id)) - 1
-    chunks = [(s, e) for s, e in chunks if s < prefill_end]
-    index = next(i for i, c in enumerate(sent) if c.request_id == request_id)
-    hits, recomputes = [], []
-    for turn, done in enumerate((index, 0 if index else 1)):
-        tail = random_tokens(rng, token_ids, FIRST_PROMPT_TAIL)
-        prompt = [*sent[done].prompt, *sent[done].token_ids, *tail]
-        hit = server.complete(prompt, f"{seed}-{done}")
-        recompute = server.complete(prompt, f"recompute-{seed}-{turn}")
-        hits.append(hit.cached_tokens or 0)
-        recomputes.append(recompute.cached_tokens or 0)
-    block = loop.scheduler.cache_config.block_size
-    outputs = resumed[-1][2]
-    return Preemption(
-        requests,
-        index,
-        outputs,
-        tuple(chunks),
-        prefill_end,
-        block,
-        tuple(hits),
-        tuple(recomputes),
-    )
-
-
-def sized_preemption(
-    build: Callable[[int], Sequence[ReplayServer]],
-    play: Callable[[Sequence[ReplayServer], int], Preemption | None],
-) -> tuple[int, Sequence[ReplayServer], Preemption | None]:
-    """The smallest pool vLLM accepts (check_enough_kv_cache_memory), and the
-    fewest requests at once, where a decoding request is preempted, resumed
-    in more than one chunk, and its follow-up hits; else the last that
-    preempted one at all."""
-    found: tuple[int, Sequence[ReplayServer], Preemption | None] = (0, (), None)
-    size, least = 0, None
-    while least is None or size < MAX_POOL_GROWTH * least:
-        size += 1
-        try:
-            build(size)
-        except ValueError as e:
-            if not any(refusal in str(e) for refusal in POOL_REFUSALS):
-                raise
-            continue
-        least = least or size
-        for requests in range(2, MAX_REQUESTS + 1):
-            servers = build(size)
-            replayed = play(servers, requests)
-            if replayed is None:
-                continue
-            found = (size, servers, replayed)
-            if len(replayed.chunks) > 1 and replayed.hits[0]:
-                return found
-    return found
 
 
 def _rule(shape: Shape, mode: Mode, deployment: Deployment) -> int:
@@ -275,17 +156,34 @@ def replay(cell: ReplayCell) -> None:
         shape = shape_of(units, cell.deployment)
 
         def build(blocks: int, alignment=alignment, shape=shape):
-            setting = Setting(shape.budget, blocks, None, shape.max_len)
+            setting = Setting(shape.budget, blocks, None, shape.max_len, "priority")
             return cell.servers_of(cell.engines(setting, alignment))[1]
 
         def replayed(servers, requests: int, shape=shape):
             seed, tokens = cell.cell_id, cell.token_ids
-            return play_preemption(servers, shape, requests, seed, tokens)
+            return play_preemption(servers, *shape.lengths, requests, seed, tokens)
 
-        _, servers, result = sized_preemption(build, replayed)
+        size, servers, result = sized_preemption(build, replayed)
         problems = problems_of(result, shape, cell.mode, cell.deployment)
         if result is not None:
             problems += controls(max(result.recompute_hits), servers)
+            # A real server's arrival order is not the replay's.
+            again = play_preemption(
+                build(size),
+                *shape.lengths,
+                result.requests,
+                cell.cell_id,
+                cell.token_ids,
+                reverse=True,
+            )
+            if again is None or (again.resumed, again.hits) != (
+                result.resumed,
+                result.hits,
+            ):
+                problems.append(
+                    f"sent last first, the replay preempted differently ({again}): "
+                    f"which request vLLM resumes depends on arrival, not priority"
+                )
         cell.fail(WORKLOAD, problems, f"{kda} {result}")
 
 
@@ -314,7 +212,8 @@ def plan(
         return in_process.replay_servers(deployment, mode, pool)[1]
 
     def replayed(servers, requests: int):
-        return play_preemption(servers, shape, requests, seed, binding.token_ids)
+        tokens = binding.token_ids
+        return play_preemption(servers, *shape.lengths, requests, seed, tokens)
 
     blocks, _, result = sized_preemption(build, replayed)
     assert result is not None, "the replay preempted no decoding request"
@@ -322,7 +221,7 @@ def plan(
 
 
 def play(run: WorkloadRun) -> CaseRecord:
-    """The replay's requests at once (in its order) on servers whose pool it
+    """The replay's requests at once, each at its priority, on servers whose pool it
     sized, then the follow-ups of the one it resumed and of another, played
     as turns: the hit the replay saw, and the recompute's output bit for
     bit. The server's preemption counter must have moved."""
@@ -332,8 +231,8 @@ def play(run: WorkloadRun) -> CaseRecord:
     shape, replayed = planned.shape, planned.replayed
     served = with_serve_args(deployment, planned.args)
     with (
-        reported_case(run.case_id, run.suite.records) as record,
-        serve_case(record, binding, served, mode, run.suite.pool) as p,
+        run.session() as case,
+        serve_case(case, binding, served, mode, run.suite.pool) as p,
     ):
         server, rng = p.servers[0], random.Random(run.case_id)
         before = _preemptions(server)
@@ -350,18 +249,14 @@ def play(run: WorkloadRun) -> CaseRecord:
                 prompts[index],
                 salts[index],
                 max_tokens=shape.max_tokens,
+                priority=index,
             )
 
-        threads = [threading.Thread(target=send, args=(i,)) for i in range(len(salts))]
-        for thread in threads:
-            # In the replay's order: vLLM schedules first come, first served.
-            thread.start()
-            thread.join(timeout=0.05)
-        for thread in threads:
-            thread.join()
+        with ThreadPoolExecutor(len(salts)) as pool:
+            list(pool.map(send, range(len(salts))))
         moved = _preemptions(server) - before
         if moved < 1:
-            record.problems.append(
+            case.problems.append(
                 f"the server preempted nothing ({PREEMPTIONS} moved by {moved}), "
                 f"where the replay preempted request {replayed.resumed} after "
                 f"{replayed.preempted_at} outputs"
@@ -369,7 +264,7 @@ def play(run: WorkloadRun) -> CaseRecord:
         for index, sample in sorted(samples.items()):
             turn = Turn("request", index, shape.prompt_len, 0, 0, prompt=prompts[index])
             turn.salt, turn.output = salts[index], sample
-            record.turns.append(turn)
+            case.turns.append(turn)
         other = 0 if replayed.resumed else 1
         for index, hit in zip((replayed.resumed, other), replayed.hits):
             tail = random_tokens(rng, binding.token_ids, FIRST_PROMPT_TAIL)
@@ -378,11 +273,11 @@ def play(run: WorkloadRun) -> CaseRecord:
             stored = shape.prompt_len + shape.max_tokens - 1
             turn = planned_turn(p, "follow-up", PlannedTurn(index, len(prompt), stored))
             turn.expected = hit
-            record.turns.append(turn)
+            case.turns.append(turn)
             play_turn(p, turn, prompt, salts[index])
-        finish_turns(p, record.turns)
-        if not record.ok:
-            record.problems.append(
+        finish_turns(p, case.turns)
+        if not case.ok:
+            case.problems.append(
                 WORKLOAD.failure(
                     f"a pool of {' '.join(planned.args)}; the replay resumed request "
                     f"{replayed.resumed} of {replayed.requests}, preempted after "
@@ -390,7 +285,8 @@ def play(run: WorkloadRun) -> CaseRecord:
                     f"{list(replayed.chunks)}"
                 )
             )
-    return record
+    assert case.record is not None
+    return case.record
 
 
 def _applies(deployment: Deployment, mode: Mode) -> bool:

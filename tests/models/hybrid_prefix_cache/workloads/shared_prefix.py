@@ -17,10 +17,7 @@ from tests.models.hybrid_prefix_cache.harness.conversation import (
     random_tokens,
 )
 from tests.models.hybrid_prefix_cache.harness.deployment import Units
-from tests.models.hybrid_prefix_cache.harness.records import (
-    CaseRecord,
-    reported_case,
-)
+from tests.models.hybrid_prefix_cache.harness.records import CaseRecord
 from tests.models.hybrid_prefix_cache.harness.rules import (
     FIRST_PROMPT_TAIL,
     PlannedTurn,
@@ -61,8 +58,8 @@ def play(run: WorkloadRun) -> CaseRecord:
     recompute): from the third on each hits the junction's checkpoint."""
     __tracebackhide__ = True
     with (
-        reported_case(run.case_id, run.suite.records) as record,
-        serve_case(record, run.binding, run.deployment, run.mode, run.suite.pool) as p,
+        run.session() as case,
+        serve_case(case, run.binding, run.deployment, run.mode, run.suite.pool) as p,
     ):
         rng, tokens = random.Random(run.case_id), run.binding.token_ids
         shared = random_tokens(rng, tokens, shared_prefix_length(p.units))
@@ -76,17 +73,18 @@ def play(run: WorkloadRun) -> CaseRecord:
             )
             # The first two need not hit; the bound stays the shared prefix.
             turn.expected = junction if index >= 2 else 0
-            record.turns.append(turn)
+            case.turns.append(turn)
             play_turn(p, turn, prompt, salt)
-        finish_turns(p, record.turns)
-        if any(turn.problems for turn in record.turns):
-            record.problems.append(
+        finish_turns(p, case.turns)
+        if any(turn.problems for turn in case.turns):
+            case.problems.append(
                 WORKLOAD.failure(
                     f"the junction checkpoint of the shared {len(shared)}-token "
                     f"prefix is {junction}"
                 )
             )
-    return record
+    assert case.record is not None
+    return case.record
 
 
 def _junction_lookup(server: ReplayServer) -> str:

@@ -22,10 +22,7 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (
     with_serve_args,
 )
 from tests.models.hybrid_prefix_cache.harness.paths import PathNoise, pairs_noise
-from tests.models.hybrid_prefix_cache.harness.records import (
-    CaseRecord,
-    reported_case,
-)
+from tests.models.hybrid_prefix_cache.harness.records import CaseRecord
 from tests.models.hybrid_prefix_cache.harness.rules import (
     FIRST_PROMPT_TAIL,
     PlannedTurn,
@@ -167,25 +164,25 @@ def play(run: WorkloadRun) -> CaseRecord:
     budget = served_budget(default.units)
     served = with_serve_args(deployment, small_budget_args(default.units))
     with (
-        reported_case(case_id, suite.records) as record,
-        serve_case(record, binding, served, mode, suite.pool) as play,
+        run.session() as case,
+        serve_case(case, binding, served, mode, suite.pool) as play,
     ):
         if not default.ok:
-            record.problems.append(
+            case.problems.append(
                 f"the default budget's case {default_id} failed, so nothing here "
                 f"compares with it: {default.failures()[0]}"
             )
         if play.units != default.units:
-            record.problems.append(
+            case.problems.append(
                 f"a budget of {budget} resolves {play.units}, the default "
                 f"{default.units}"
             )
         # The default case's seed: the same prompts, as long as each turn's
         # output is the same.
         conversation = reference_conversation(play.units, default_id)
-        run_conversations(play, [conversation], record.turns)
+        run_conversations(play, [conversation], case.turns)
         noise = budget_problems(
-            record.turns,
+            case.turns,
             default.turns,
             budget,
             binding.logprob_atol,
@@ -194,23 +191,24 @@ def play(run: WorkloadRun) -> CaseRecord:
         play.noise = play.noise or noise
         # A branch off the first prompt, under its salt: it resumes at a
         # block boundary whose state only the small budget's chunks wrote.
-        first = record.turns[0]
+        first = case.turns[0]
         shared, length = branch_lengths(play.units)
         rng = random.Random(f"{case_id}-branch")
         prompt = first.prompt[:shared]
         prompt += random_tokens(rng, binding.token_ids, length - shared)
         branch = planned_turn(play, "branch", PlannedTurn(0, length, shared))
         branch.expected = branch_checkpoint(shared, play.units, mode.drops_unit)
-        record.turns.append(branch)
+        case.turns.append(branch)
         play_turn(play, branch, prompt, first.salt)
-        if not record.ok:
-            record.problems.append(
+        if not case.ok:
+            case.problems.append(
                 WORKLOAD.failure(
                     f"a budget of {budget} tokens a step against the default of "
                     f"{default_id}"
                 )
             )
-    return record
+    assert case.record is not None
+    return case.record
 
 
 def replay(cell: ReplayCell) -> None:

@@ -1,0 +1,169 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""A case in progress (:class:`CaseSession`): what it has observed so far, its
+play and its counter window. :func:`case_session` ends it: it judges the case
+against its known failures, freezes its :class:`CaseRecord` with the verdict,
+writes that record, and only then raises the outcome."""
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import pytest
+
+from tests.models.hybrid_prefix_cache.harness.client import (
+    MAX_TOKENS,
+    PREFILL_KV_TRANSFER_PARAMS,
+)
+from tests.models.hybrid_prefix_cache.harness.clock import CLOCK, PhaseClock
+from tests.models.hybrid_prefix_cache.harness.compare import NUM_LOGPROBS, Turn
+from tests.models.hybrid_prefix_cache.harness.conversation import Play
+from tests.models.hybrid_prefix_cache.harness.deployment import (
+    Known,
+    Units,
+    select_known,
+)
+from tests.models.hybrid_prefix_cache.harness.known import (
+    Judgment,
+    judge_failure,
+    judge_pass,
+)
+from tests.models.hybrid_prefix_cache.harness.paths import PathNoise
+from tests.models.hybrid_prefix_cache.harness.records import (
+    CaseProblems,
+    CaseRecord,
+    report,
+)
+from tests.models.hybrid_prefix_cache.harness.reproducer import serve_info
+from tests.models.hybrid_prefix_cache.harness.window import Window
+
+
+@dataclass(repr=False)
+class CaseSession(CaseProblems):
+    """A case while it runs. ``record`` is None until :func:`case_session`
+    ends it; nothing writes to the session after that."""
+
+    case_id: str
+    test: str = ""
+    known: tuple[Known, ...] = ()
+    units: Units | None = None
+    turns: list[Turn] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    notices: list[str] = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)
+    startup_seconds: list[float] = field(default_factory=list)
+    reused: bool | None = None  # None: no servers (their start failed)
+    phases: PhaseClock = field(default_factory=PhaseClock)
+    play: Play | None = None
+    window: Window | None = None
+    record: CaseRecord | None = None
+
+    def __repr__(self) -> str:
+        return f"CaseSession({self.case_id!r}, {len(self.turns)} turns)"
+
+    @property
+    def noise(self) -> PathNoise | None:  # type: ignore[override]
+        return None if self.play is None else self.play.noise
+
+    @property
+    def entry(self) -> Known | None:
+        """The known failure that applies where its servers resolved."""
+        return select_known(self.known, self.units)
+
+    def freeze(self, outcome: str, verdict: str, seconds: float) -> CaseRecord:
+        play = self.play
+        return CaseRecord(
+            self.case_id,
+            test=self.test,
+            units=self.units,
+            turns=tuple(self.turns),
+            metrics=dict(self.metrics),
+            problems=tuple(self.problems),
+            notices=tuple(self.notices),
+            startup_seconds=tuple(self.startup_seconds),
+            reused=self.reused,
+            seconds=seconds,
+            phase_seconds=dict(self.phases.seconds),
+            outcome=outcome,
+            verdict=verdict,
+            noise=None if play is None else play.noise,
+            serve=serve_info(
+                play, MAX_TOKENS, NUM_LOGPROBS, PREFILL_KV_TRANSFER_PARAMS
+            ),
+        )
+
+
+def failure_text(case: CaseSession, error: BaseException | None) -> str:
+    """Everything a case's failure says, searched for a known entry's evidence:
+    the exception (with ServerError.log) or the case's problems, and every
+    server's log, where a crash that surfaced elsewhere left its cause."""
+    parts = [case.explain() if error is None else ""]
+    servers = case.play.servers if case.play is not None else ()
+    if error is not None:
+        # A server that failed to start is in no play: only the error has its log.
+        log = getattr(error, "log", "") if case.play is None else ""
+        parts.append(f"{type(error).__name__}: {error}{log}")
+    for server in servers:
+        path = getattr(server, "log_path", None)
+        if path is not None and path.exists():
+            parts.append(f"log of {path.name}:\n{path.read_text(errors='replace')}")
+    return "\n".join(part for part in parts if part)
+
+
+def judge(case: CaseSession, error: BaseException | None) -> Judgment | None:
+    """The known failure's judgment of how the case ended, if one applies. A
+    case pytest skipped or xfailed itself, or an interrupt, is not judged."""
+    if error is not None and not isinstance(error, Exception):
+        return None
+    entry = case.entry
+    if entry is None:
+        return None
+    if error is not None or not case.ok:
+        return judge_failure(case.case_id, entry, failure_text(case, error))
+    return judge_pass(case.case_id, entry)
+
+
+def _outcome(case: CaseSession, error: BaseException | None) -> str:
+    if isinstance(error, pytest.skip.Exception):
+        return "skipped"
+    if isinstance(error, pytest.xfail.Exception):
+        return "xfail"
+    if error is not None:
+        return f"error: {type(error).__name__}"
+    return "pass" if case.ok else "FAIL"
+
+
+@contextlib.contextmanager
+def case_session(
+    case_id: str,
+    summary: list[CaseRecord] | None = None,
+    known: Sequence[Known] = (),
+) -> Iterator[CaseSession]:
+    """Run a case, then freeze its record (``case.record``) with the verdict
+    of the known failure that applies, if any, and write it (:func:`report`)
+    however the case ended. Then a listed case xfails, skips or fails
+    (``harness.known``); an unlisted one raises what it raised, and its
+    problems are the caller's to assert on ``case.record``."""
+    __tracebackhide__ = True
+    # pytest names the running test as "<node id> (<phase>)".
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    case = CaseSession(case_id, test=test, known=tuple(known))
+    start = time.monotonic()
+    clock = CLOCK.set(case.phases)
+    error = None
+    try:
+        yield case
+    except BaseException as e:
+        error = e
+    finally:
+        CLOCK.reset(clock)
+    judgment = judge(case, error)
+    verdict = "" if judgment is None else judgment.verdict
+    case.record = case.freeze(_outcome(case, error), verdict, time.monotonic() - start)
+    report(case.record, summary)
+    if judgment is not None:
+        judgment.enact(error)
+    if error is not None:
+        raise error
