@@ -5,6 +5,7 @@ what vLLM's scheduler did with them (:func:`play_preemption`), and the
 smallest pool and fewest requests where it resumes one
 (:func:`sized_preemption`)."""
 
+import functools
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,6 +55,18 @@ def _watch(log: list) -> Callable[[Scheduler, SchedulerOutput], None]:
     return watch
 
 
+@functools.lru_cache(maxsize=MAX_REQUESTS)
+def _prompts(
+    seed: str, token_ids: tuple[int, int], prompt_len: int, requests: int
+) -> tuple[tuple[tuple[int, ...], ...], tuple]:
+    """The requests' prompts drawn from ``seed`` as a real server's play draws
+    them, and the generator's state after: the sizing replays them hundreds
+    of times, and drawing them took most of its time."""
+    rng = random.Random(seed)
+    prompts = [random_tokens(rng, token_ids, prompt_len) for _ in range(requests)]
+    return tuple(map(tuple, prompts)), rng.getstate()
+
+
 def play_preemption(
     servers: Sequence[ReplayServer],
     prompt_len: int,
@@ -67,11 +80,12 @@ def play_preemption(
     under DP), request i at priority i, sent in order or (``reverse``) last
     first; then the follow-ups of the last one preempted while decoding and
     of the first, with recomputes. None where none was preempted decoding."""
-    server, rng = servers[0], random.Random(seed)
+    prompts, state = _prompts(seed, token_ids, prompt_len, requests)
+    server, rng = servers[0], random.Random()
+    rng.setstate(state)
     loop, log = server.loops[0], []
     watch = _watch(log)
     loop.watchers.append(watch)
-    prompts = [random_tokens(rng, token_ids, prompt_len) for _ in range(requests)]
     filler = random_tokens(random.Random(f"{seed}-pad"), token_ids, 8)
     sent, pads = {}, []
     for index in reversed(range(requests)) if reverse else range(requests):
