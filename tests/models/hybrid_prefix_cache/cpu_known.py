@@ -69,7 +69,7 @@ _UNIT_MINUS1 = Known(
     "differently (by rounding) after a request one token short of a block, "
     "an engine-side path not isolated; findings/unit-minus1.md has the "
     "evidence and a 3-request reproducer",
-    # The oracle's words for a hit apart from its recompute (harness.check_turn).
+    # The oracle's words for a hit apart from its recompute (compare.check_turn).
     evidence=(
         "unit-minus1 turn 2: the hit, 1280 tokens restored from the prefix "
         "cache, differs from its recompute on the same path"
@@ -89,7 +89,7 @@ def _lost_at_256(shape: str, turn: int, cached: int, expected: int, prev: int):
         f"of the previous {prev}-token prompt at turn {turn} (cached "
         f"{cached}), which vLLM's own scheduler and KV cache manager hit "
         f"in-process; see _lost_at_256",
-        # The oracle's words for a lost checkpoint (harness.check_turn).
+        # The oracle's words for a lost checkpoint (compare.check_turn).
         evidence=(
             f"{shape} turn {turn}: cached {cached} < expected checkpoint "
             f"{expected} of the previous {prev}-token prompt"
@@ -156,7 +156,7 @@ def _cells(deployments: Sequence[str], modes: Sequence[str]) -> list[str]:
 
 
 # Entries by "<deployment>-<mode>[-<shape>]" (else the cell's); at most one applies
-# to a given geometry (harness.select_known).
+# to a given geometry (deployment.select_known).
 KNOWN: dict[str, tuple[Known, ...]] = {
     # One engine crash in the worker, whatever the deployment and mode.
     **_first_confirms(

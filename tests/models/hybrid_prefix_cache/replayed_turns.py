@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Turns replayed from measured records and checked by the oracle
-(harness.check_turn), for the tests of its comparisons and of the known
+(harness.compare.check_turn), for the tests of its comparisons and of the known
 failures' evidence. Pure: no server."""
 
 from tests.models.hybrid_prefix_cache.harness import (

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Unit tests of the oracle's checks of one hit (harness.check_turn): where
+"""Unit tests of the oracle's checks of one hit (compare.check_turn): where
 the rule puts it, and how a hit on a block or inside one is compared with
 its recompute. Pure: no server."""
 

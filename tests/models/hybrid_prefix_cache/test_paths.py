@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Unit tests of the oracle's like-with-like comparisons (harness.check_turn
-and harness.check_paths), with turns replayed from measured records: exact
+"""Unit tests of the oracle's like-with-like comparisons (compare.check_turn
+and paths.check_paths), with turns replayed from measured records: exact
 where a hit and its control take one numerical path, the case's own cold
 controls where the paths differ, and messages that say which state is
 wrong, if any. Pure: no server."""

@@ -8,7 +8,10 @@ workload holds."""
 
 import pytest
 
+from tests.models.hybrid_prefix_cache import harness
+from tests.models.hybrid_prefix_cache.harness.workload import Workload
 from tests.models.hybrid_prefix_cache.replay_cells import cell_params, replay_cell
+from tests.models.hybrid_prefix_cache.scheduler.cell import ReplayCell
 from tests.models.hybrid_prefix_cache.workloads import catalog
 
 pytestmark = pytest.mark.skip_global_cleanup
@@ -69,3 +72,27 @@ def test_every_replay_has_its_test() -> None:
     tested |= {"async", "sync"}
     untested = [w for w, spec in WORKLOADS.items() if spec.replay and w not in tested]
     assert not untested, f"no test_<workload> replays {untested}"
+
+
+def test_a_replay_judges_its_known_failure() -> None:
+    """A listed replay that fails with its evidence xfails; one that fails
+    otherwise is a stale table, never an xfail, however the failure arrives
+    (a problem, or an assertion of the replay)."""
+
+    def replayed(problem: str, raised: bool):
+        def replay(cell: ReplayCell) -> None:
+            assert not raised, problem
+            cell.fail(workload, [problem], "")
+
+        workload = Workload("w", "it holds", "rule", replay=replay)
+        return workload
+
+    entry = harness.Known("xfail", "a bug", evidence="hit 0,")
+    cell = ReplayCell("c", "cpu", None, None, (0, 1), None, known={"w": entry})
+    for raised in (False, True):
+        with pytest.raises(pytest.xfail.Exception, match="a bug"):
+            cell.replay(replayed("turn 1: hit 0, expected 128", raised))
+        with pytest.raises(pytest.fail.Exception, match="update the table"):
+            cell.replay(replayed("turn 1: hit 64, expected 128", raised))
+    with pytest.raises(pytest.fail.Exception, match="XPASS"):
+        cell.replay(Workload("w", "it holds", "rule", replay=lambda cell: None))

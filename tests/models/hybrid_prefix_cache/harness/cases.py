@@ -100,6 +100,9 @@ def serve_case(
         # Not on pytest's skip/xfail outcomes: those leave servers sound.
         pool.close()
         raise
+    finally:
+        if case.window is not None:
+            case.window.detach()
 
 
 def _conversations(
@@ -155,7 +158,7 @@ def run_case(
         for _ in play_waves(play, conversations, case.turns):
             # A known bug's evidence confirms the case: later turns change
             # nothing (an XPASS still plays them all).
-            if evidence_shown(case.entry, case.failures()):
+            if evidence_shown(case.entry, [p for t in case.turns for p in t.problems]):
                 case.notices.append(
                     f"stopped after {case.turns[-1].name}: the known failure's "
                     f"evidence showed ({case.entry.evidence!r})"

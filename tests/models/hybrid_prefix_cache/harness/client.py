@@ -237,8 +237,8 @@ def give_up(
 def _answered(
     server: Server, response: requests.Response, kv_transfer_params: dict | None
 ) -> Sample:
-    """The sample of a completion that ``server`` answered, recorded in its
-    ledger."""
+    """The sample of a completion that ``server`` answered, booked on the
+    counter window that holds the server."""
     if response.status_code != 200:
         raise _request_failure(
             server,
@@ -256,7 +256,8 @@ def _answered(
     entry = ledger_entry(
         usage["prompt_tokens"], details["cached_tokens"], kv_transfer_params
     )
-    server.record(entry)
+    if server.on_answer is not None:
+        server.on_answer(entry)
     logprobs = choice["logprobs"]
     return Sample(
         token_ids=[_token_id(t) for t in logprobs["tokens"]],

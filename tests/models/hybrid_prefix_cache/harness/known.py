@@ -13,6 +13,7 @@ from tests.models.hybrid_prefix_cache.harness.deployment import Known
 
 # What the session's summary calls a case that failed as its table says.
 KNOWN_VERDICTS = {"xfail": "known xfail", "unsupported": "known refusal"}
+STALE = "FAIL: stale table"
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ def judge_failure(case_id: str, entry: Known, text: str) -> Judgment:
     """A listed case failed with ``text``."""
     if entry.evidence not in text:
         return Judgment(
-            "FAIL: stale table",
+            STALE,
             f"{case_id} is listed as {entry.kind} ({entry.reason}) and "
             f"failed, but without {entry.evidence!r}: update the table.\n{text}",
         )

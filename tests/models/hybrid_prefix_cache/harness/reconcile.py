@@ -48,11 +48,6 @@ class Ledger:
             *(a + b for a, b in zip(vars(self).values(), vars(other).values()))
         )
 
-    def __sub__(self, other: "Ledger") -> "Ledger":
-        return Ledger(
-            *(a - b for a, b in zip(vars(self).values(), vars(other).values()))
-        )
-
 
 def ledger_entry(
     prompt_tokens: int, cached_tokens: int, kv_transfer_params: Mapping | None

@@ -11,7 +11,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,8 +164,8 @@ class Server(RemoteOpenAIServer):
         self.log_path = log_folder() / f"{spec.name}-{uuid.uuid4().hex[:8]}.log"
         self.launched = time.monotonic()
         self.startup_seconds: float | None = None
-        self.ledger = Ledger()
-        self._ledger_lock = threading.Lock()
+        # Set by the counter window of the case that holds the server.
+        self.on_answer: Callable[[Ledger], None] | None = None
         # Every process seen in the server's group while it ran.
         self.seen_pids: set[int] = set()
         self._launched = launched
@@ -260,10 +260,6 @@ class Server(RemoteOpenAIServer):
             f"command: {' '.join(self.command)}\n"
             f"last {LOG_TAIL_LINES} lines of {self.log_path}:\n{tail}"
         )
-
-    def record(self, entry: "Ledger") -> None:
-        with self._ledger_lock:
-            self.ledger = self.ledger + entry
 
 
 def _healthy(server: Server) -> bool:

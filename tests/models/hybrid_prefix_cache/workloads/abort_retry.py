@@ -143,89 +143,99 @@ def play(run: WorkloadRun) -> CaseRecord:
         run.deployment,
         run.mode,
     )
-    budget = run.needs_in_process().budget(deployment, mode)
-    with (
-        run.session() as case,
-        serve_case(case, binding, deployment, mode, run.suite.pool) as play,
-    ):
-        servers, model = play.servers, binding.model
-        caching, pd = servers[0], len(servers) > 1
-        seen = abort_retry_length(play.units, budget)
-        length = seen + deployment.cache_backoff
-        prompt = random_tokens(random.Random(case_id), binding.token_ids, length)
-        clocks = [
-            Turn("clock", index, length, 0, 0, prompt=prompt, salt=fresh_salt("clock"))
-            for index in range(2)
-        ]
-        for clock in clocks:
-            case.turns.append(clock)
-            start = time.monotonic()
-            clock.output = send(servers, model, prompt, clock.salt)
-            clock.seconds = time.monotonic() - start
-        took = min(clock.seconds for clock in clocks)
-        after = ABORT_AFTER_FRACTION * took
-        # Under P/D, the client gives up on the prefill leg.
-        leg = {"max_tokens": 1, "kv_transfer_params": PREFILL_KV_TRANSFER_PARAMS}
-        for attempt in range(ABORT_ATTEMPTS):
-            before = read_counters(caching)
-            salt = fresh_salt("abort")
-            answered = give_up(
-                caching, model, prompt, salt, after, **(leg if pd else {})
-            )
-            if answered is not None:
-                if pd:
-                    # Its decode leg follows, as through the deployment.
-                    answered = complete(
-                        servers[-1],
-                        model,
-                        prompt,
-                        salt,
-                        kv_transfer_params=answered.kv_transfer_params,
+    with run.session() as case:
+        budget = run.needs_in_process().budget(deployment, mode)
+        with serve_case(case, binding, deployment, mode, run.suite.pool) as play:
+            servers, model = play.servers, binding.model
+            caching, pd = servers[0], len(servers) > 1
+            seen = abort_retry_length(play.units, budget)
+            length = seen + deployment.cache_backoff
+            prompt = random_tokens(random.Random(case_id), binding.token_ids, length)
+            clocks = [
+                Turn(
+                    "clock",
+                    index,
+                    length,
+                    0,
+                    0,
+                    prompt=prompt,
+                    salt=fresh_salt("clock"),
+                )
+                for index in range(2)
+            ]
+            for clock in clocks:
+                case.turns.append(clock)
+                start = time.monotonic()
+                clock.output = send(servers, model, prompt, clock.salt)
+                clock.seconds = time.monotonic() - start
+            took = min(clock.seconds for clock in clocks)
+            after = ABORT_AFTER_FRACTION * took
+            # Under P/D, the client gives up on the prefill leg.
+            leg = {"max_tokens": 1, "kv_transfer_params": PREFILL_KV_TRANSFER_PARAMS}
+            for attempt in range(ABORT_ATTEMPTS):
+                before = read_counters(caching)
+                salt = fresh_salt("abort")
+                answered = give_up(
+                    caching, model, prompt, salt, after, **(leg if pd else {})
+                )
+                if answered is not None:
+                    if pd:
+                        # Its decode leg follows, as through the deployment.
+                        answered = complete(
+                            servers[-1],
+                            model,
+                            prompt,
+                            salt,
+                            kv_transfer_params=answered.kv_transfer_params,
+                        )
+                    # Answered before the client gave up: a cold request.
+                    case.turns.append(
+                        Turn("answered", attempt, length, 0, 0, output=answered)
                     )
-                # Answered before the client gave up: a cold request.
-                case.turns.append(
-                    Turn("answered", attempt, length, 0, 0, output=answered)
+                retry = planned_turn(
+                    play, "retry", PlannedTurn(attempt, length, length)
                 )
-            retry = planned_turn(play, "retry", PlannedTurn(attempt, length, length))
-            case.turns.append(retry)
-            send_turn(play, retry, prompt, salt)
-            # Counted once the retry's (and its twin's) stats are exported.
-            sent = 1 + (retry.twin is not None)
-            done = (before[REQUESTS_DONE] or 0.0) + sent + (answered is not None)
-            now = poll_counters(caching, REQUESTS_DONE, lambda v, d=done: v >= d)
-            moved = counter_deltas(now, before)
-            landed = "answered"
-            if answered is None:
-                queried, first_tokens = moved[PREFIX_QUERIES], moved[FIRST_TOKENS]
-                landed = abort_landing(
-                    queried or 0.0, first_tokens or 0.0, seen, answered=sent
+                case.turns.append(retry)
+                send_turn(play, retry, prompt, salt)
+                # Counted once the retry's (and its twin's) stats are exported.
+                sent = 1 + (retry.twin is not None)
+                done = (before[REQUESTS_DONE] or 0.0) + sent + (answered is not None)
+                now = poll_counters(caching, REQUESTS_DONE, lambda v, d=done: v >= d)
+                moved = counter_deltas(now, before)
+                landed = "answered"
+                if answered is None:
+                    queried, first_tokens = moved[PREFIX_QUERIES], moved[FIRST_TOKENS]
+                    landed = abort_landing(
+                        queried or 0.0, first_tokens or 0.0, seen, answered=sent
+                    )
+                    if landed != "before admission":
+                        case.window.book_unanswered(caching, aborted_entry(seen))
+                retry.expected = abort_checkpoint(
+                    landed, seen, play.units, mode.drops_unit
                 )
-                if landed != "before admission":
-                    case.window.book_unanswered(caching, aborted_entry(seen))
-            retry.expected = abort_checkpoint(landed, seen, play.units, mode.drops_unit)
-            recompute_turn(play, retry)
-            case.notices.append(
-                f"attempt {attempt}: the client gave up after {after * 1e3:.0f} ms "
-                f"(a cold request took {took * 1e3:.0f} ms): {landed}; the retry "
-                f"cached {retry.restored}"
-            )
-            if landed == "mid-prefill":
-                break
-            after = after * 2 if landed == "before admission" else after / 2
-        else:
-            case.problems.append(
-                f"abort-retry: no abort of the {seen}-token prompt landed "
-                f"mid-prefill in {ABORT_ATTEMPTS} attempts (the notices say "
-                f"where each did)"
-            )
-        finish_turns(play, case.turns)
-        if not case.ok:
-            case.problems.append(
-                WORKLOAD.failure(
-                    f"a {length}-token prompt, its first chunk of {budget} tokens "
-                    f"a step ending on its checkpoint"
+                recompute_turn(play, retry)
+                case.notices.append(
+                    f"attempt {attempt}: the client gave up after {after * 1e3:.0f} ms "
+                    f"(a cold request took {took * 1e3:.0f} ms): {landed}; the retry "
+                    f"cached {retry.restored}"
                 )
-            )
+                if landed == "mid-prefill":
+                    break
+                after = after * 2 if landed == "before admission" else after / 2
+            else:
+                case.problems.append(
+                    f"abort-retry: no abort of the {seen}-token prompt landed "
+                    f"mid-prefill in {ABORT_ATTEMPTS} attempts (the notices say "
+                    f"where each did)"
+                )
+            finish_turns(play, case.turns)
+            if not case.ok:
+                case.problems.append(
+                    WORKLOAD.failure(
+                        f"a {length}-token prompt, its first chunk of {budget} tokens "
+                        f"a step ending on its checkpoint"
+                    )
+                )
     assert case.record is not None
     return case.record
 

@@ -107,78 +107,79 @@ def play(run: WorkloadRun) -> CaseRecord:
     replay's pressure never reached the conversation."""
     __tracebackhide__ = True
     case_id, binding, mode = run.case_id, run.binding, run.mode
-    plan_ = plan(run.needs_in_process(), binding, run.deployment, mode, case_id)
-    served = with_serve_args(run.deployment, plan_.args)
-    with (
-        run.session() as case,
-        serve_case(case, binding, served, mode, run.suite.pool) as play,
-    ):
-        if plan_.held == plan_.held_before:
-            case.problems.append(
-                f"eviction: the replay's {plan_.pressure} pressure requests evicted "
-                f"nothing of the conversation (each group held {list(plan_.held)} "
-                f"before and after them)"
-            )
-        # The replay's lengths, the case's own tokens.
-        rng, tokens = random.Random(case_id), binding.token_ids
-        first_len = reference_conversation(play.units, case_id).first_len
-        prompt = random_tokens(rng, tokens, first_len)
-        salt = fresh_salt("eviction")
-        first = Turn("first", 0, first_len, 0, 0, prompt=prompt, salt=salt)
-        case.turns.append(first)
-        first.output = send(play.servers, binding.model, prompt, salt, first.problems)
-        grown = grown_prompt(rng, tokens, prompt, first.output.token_ids)
-        filler = eviction_filler(play.units)
-        for index in range(plan_.pressure):
-            other = random_tokens(rng, tokens, filler)
-            pressure = Turn("pressure", index, filler, 0, 0, prompt=other)
-            pressure.salt = fresh_salt("pressure")
-            case.turns.append(pressure)
-            pressure.output = send(
-                play.servers, binding.model, other, pressure.salt, pressure.problems
-            )
-        turn = planned_turn(play, "evicted", PlannedTurn(1, len(grown), first_len))
-        turn.expected, turn.bound = plan_.hit, min(plan_.held)
-        case.turns.append(turn)
-        play_turn(play, turn, grown, salt)
-        assert turn.output is not None
-        hits = {
-            "vLLM's scheduler, replayed": plan_.hit,
-            turn.name: turn.output.cached_tokens,
-        }
-        for who, hit in hits.items():
-            turn.problems += [
-                f"{who}: {why}" for why in eviction_problems(hit, plan_.held)
-            ]
-        # Under P/D the decoder's pool is under the same pressure.
-        if (
-            plan_.decoder_hit is not None
-            and turn.output.decoder_hit != plan_.decoder_hit
-        ):
-            turn.problems.append(
-                f"{turn.name}: the decoder's own cache hit {turn.output.decoder_hit} "
-                f"for its decode leg, vLLM's scheduler replayed on its engine hit "
-                f"{plan_.decoder_hit}"
-            )
-        finish_turns(play, case.turns)
-        decoder = (
-            ""
-            if plan_.decoder_hit is None
-            else f" (the decoder's own cache {plan_.decoder_hit})"
-        )
-        case.notices.append(
-            f"{plan_.pressure} pressure requests of {filler} tokens; replayed "
-            f"in-process, each group held {list(plan_.held_before)} of the next "
-            f"turn before them and {list(plan_.held)} after, and vLLM's "
-            f"scheduler hit {plan_.hit}{decoder}"
-        )
-        if not case.ok:
-            case.problems.append(
-                WORKLOAD.failure(
-                    f"a pool of {' '.join(plan_.args)}, {plan_.pressure} "
-                    f"pressure requests"
+    # Sized in the session: a sizing that fails leaves its record too.
+    with run.session() as case:
+        plan_ = plan(run.needs_in_process(), binding, run.deployment, mode, case_id)
+        served = with_serve_args(run.deployment, plan_.args)
+        with serve_case(case, binding, served, mode, run.suite.pool) as play:
+            if plan_.held == plan_.held_before:
+                case.problems.append(
+                    f"eviction: the replay's {plan_.pressure} pressure requests "
+                    f"evicted nothing of the conversation (each group held "
+                    f"{list(plan_.held)} before and after them)"
                 )
+            # The replay's lengths, the case's own tokens.
+            rng, tokens = random.Random(case_id), binding.token_ids
+            first_len = reference_conversation(play.units, case_id).first_len
+            prompt = random_tokens(rng, tokens, first_len)
+            salt = fresh_salt("eviction")
+            first = Turn("first", 0, first_len, 0, 0, prompt=prompt, salt=salt)
+            case.turns.append(first)
+            first.output = send(
+                play.servers, binding.model, prompt, salt, first.problems
             )
+            grown = grown_prompt(rng, tokens, prompt, first.output.token_ids)
+            filler = eviction_filler(play.units)
+            for index in range(plan_.pressure):
+                other = random_tokens(rng, tokens, filler)
+                pressure = Turn("pressure", index, filler, 0, 0, prompt=other)
+                pressure.salt = fresh_salt("pressure")
+                case.turns.append(pressure)
+                pressure.output = send(
+                    play.servers, binding.model, other, pressure.salt, pressure.problems
+                )
+            turn = planned_turn(play, "evicted", PlannedTurn(1, len(grown), first_len))
+            turn.expected, turn.bound = plan_.hit, min(plan_.held)
+            case.turns.append(turn)
+            play_turn(play, turn, grown, salt)
+            assert turn.output is not None
+            hits = {
+                "vLLM's scheduler, replayed": plan_.hit,
+                turn.name: turn.output.cached_tokens,
+            }
+            for who, hit in hits.items():
+                turn.problems += [
+                    f"{who}: {why}" for why in eviction_problems(hit, plan_.held)
+                ]
+            # Under P/D the decoder's pool is under the same pressure.
+            if (
+                plan_.decoder_hit is not None
+                and turn.output.decoder_hit != plan_.decoder_hit
+            ):
+                turn.problems.append(
+                    f"{turn.name}: the decoder's own cache hit "
+                    f"{turn.output.decoder_hit} for its decode leg, vLLM's scheduler "
+                    f"replayed on its engine hit {plan_.decoder_hit}"
+                )
+            finish_turns(play, case.turns)
+            decoder = (
+                ""
+                if plan_.decoder_hit is None
+                else f" (the decoder's own cache {plan_.decoder_hit})"
+            )
+            case.notices.append(
+                f"{plan_.pressure} pressure requests of {filler} tokens; replayed "
+                f"in-process, each group held {list(plan_.held_before)} of the next "
+                f"turn before them and {list(plan_.held)} after, and vLLM's "
+                f"scheduler hit {plan_.hit}{decoder}"
+            )
+            if not case.ok:
+                case.problems.append(
+                    WORKLOAD.failure(
+                        f"a pool of {' '.join(plan_.args)}, {plan_.pressure} "
+                        f"pressure requests"
+                    )
+                )
     assert case.record is not None
     return case.record
 

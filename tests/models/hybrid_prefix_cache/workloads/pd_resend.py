@@ -59,7 +59,7 @@ def play(run: WorkloadRun) -> CaseRecord:
         run.deployment,
         run.mode,
         resend_length,
-        WORKLOAD,
+        WORKLOAD.failure,
         decoder_problems,
         run.known,
     )
@@ -95,7 +95,7 @@ def replay(cell: "ReplayCell") -> None:
                 problems.append(
                     f"resend of {prompt_len} tokens: the decoder's own cache hit "
                     f"{results[-1].decoder_hit}, its role's rule says {expected} "
-                    f"(harness.decoder_resend_hit)"
+                    f"(harness.reconcile.decoder_resend_hit)"
                 )
             cell.fail(WORKLOAD, problems, f"{kda}\n" + "\n".join(rows))
 

@@ -136,13 +136,19 @@ def problems_of(
 ) -> list[str]:
     if result is None:
         return ["no pool tried preempted a decoding request: nothing tested"]
+    # A resume that hits its own offloaded blocks may take one chunk: then
+    # only its follow-up's hit is held.
+    if not result.hits[0]:
+        return ["the resumed request's follow-up hit nothing: nothing tested"]
     units = shape.units
     checkpoint = prompt_end_checkpoint(shape.prompt_len, units.hit, mode.drops_unit)
     found = chunk_problems(result.chunks, result.prefill_end, result.block, checkpoint)
     bound = _rule(shape, mode, deployment)
     for who, hit in zip(("the resumed request's", "the other's"), result.hits):
-        if hit > bound or hit % units.hit:
+        if hit > bound:
             found.append(f"{who} follow-up cached {hit}, beyond the bound {bound}")
+        elif hit % units.hit:
+            found.append(f"{who} follow-up cached {hit}, off the unit {units.hit}")
     return found
 
 
@@ -216,77 +222,87 @@ def plan(
         return play_preemption(servers, *shape.lengths, requests, seed, tokens)
 
     blocks, _, result = sized_preemption(build, replayed)
-    assert result is not None, "the replay preempted no decoding request"
+    problems = problems_of(result, shape, mode, deployment)
+    assert result is not None and not problems, "\n".join(problems)
     return PreemptionPlan(shape, shape.args(blocks * per_block), result)
 
 
+def _at_once(server, binding: Binding, shape: Shape, prompts, salts) -> list[Sample]:
+    """The requests sent at once, request i at priority i, each decoding all
+    its tokens as the replay's do."""
+
+    def send(index: int) -> Sample:
+        return complete(
+            server,
+            binding.model,
+            prompts[index],
+            salts[index],
+            max_tokens=shape.max_tokens,
+            ignore_eos=True,
+            priority=index,
+        )
+
+    with ThreadPoolExecutor(len(salts)) as pool:
+        return list(pool.map(send, range(len(salts))))
+
+
 def play(run: WorkloadRun) -> CaseRecord:
-    """The replay's requests at once, each at its priority, on servers whose pool it
-    sized, then the follow-ups of the one it resumed and of another, played
-    as turns: the hit the replay saw, and the recompute's output bit for
-    bit. The server's preemption counter must have moved."""
+    """The replay's requests at once on servers whose pool it sized, then the
+    follow-ups of the one it resumed and of another, played as turns: the hit
+    the replay saw, and the recompute's output bit for bit. The server's
+    preemption counter must have moved."""
     __tracebackhide__ = True
     binding, mode, deployment = run.binding, run.mode, run.deployment
-    planned = plan(run.needs_in_process(), binding, deployment, mode, run.case_id)
-    shape, replayed = planned.shape, planned.replayed
-    served = with_serve_args(deployment, planned.args)
-    with (
-        run.session() as case,
-        serve_case(case, binding, served, mode, run.suite.pool) as p,
-    ):
-        server, rng = p.servers[0], random.Random(run.case_id)
-        before = _preemptions(server)
-        salts = [fresh_salt("preempted") for _ in range(replayed.requests)]
-        prompts = [
-            random_tokens(rng, binding.token_ids, shape.prompt_len) for _ in salts
-        ]
-        samples: dict[int, Sample] = {}
-
-        def send(index: int) -> None:
-            samples[index] = complete(
-                server,
-                binding.model,
-                prompts[index],
-                salts[index],
-                max_tokens=shape.max_tokens,
-                priority=index,
-            )
-
-        with ThreadPoolExecutor(len(salts)) as pool:
-            list(pool.map(send, range(len(salts))))
-        moved = _preemptions(server) - before
-        if moved < 1:
-            case.problems.append(
-                f"the server preempted nothing ({PREEMPTIONS} moved by {moved}), "
-                f"where the replay preempted request {replayed.resumed} after "
-                f"{replayed.preempted_at} outputs"
-            )
-        for index, sample in sorted(samples.items()):
-            turn = Turn("request", index, shape.prompt_len, 0, 0, prompt=prompts[index])
-            turn.salt, turn.output = salts[index], sample
-            case.turns.append(turn)
-        other = 0 if replayed.resumed else 1
-        for index, hit in zip((replayed.resumed, other), replayed.hits):
-            tail = random_tokens(rng, binding.token_ids, FIRST_PROMPT_TAIL)
-            prompt = [*prompts[index], *samples[index].token_ids, *tail]
-            # What this salt stored: the prompt and every computed output.
-            stored = shape.prompt_len + shape.max_tokens - 1
-            turn = planned_turn(p, "follow-up", PlannedTurn(index, len(prompt), stored))
-            turn.expected = hit
-            case.turns.append(turn)
-            play_turn(p, turn, prompt, salts[index])
-        finish_turns(p, case.turns)
-        if not case.ok:
-            case.problems.append(
-                WORKLOAD.failure(
-                    f"a pool of {' '.join(planned.args)}; the replay resumed request "
-                    f"{replayed.resumed} of {replayed.requests}, preempted after "
-                    f"{replayed.preempted_at} outputs, in chunks "
-                    f"{list(replayed.chunks)}"
+    with run.session() as case:
+        planned = plan(run.needs_in_process(), binding, deployment, mode, run.case_id)
+        shape, replayed = planned.shape, planned.replayed
+        served = with_serve_args(deployment, planned.args)
+        with serve_case(case, binding, served, mode, run.suite.pool) as p:
+            server, rng = p.servers[0], random.Random(run.case_id)
+            salts = [fresh_salt("preempted") for _ in range(replayed.requests)]
+            prompts = [
+                random_tokens(rng, binding.token_ids, shape.prompt_len) for _ in salts
+            ]
+            before = _preemptions(server)
+            samples = _at_once(server, binding, shape, prompts, salts)
+            moved = _preemptions(server) - before
+            if moved < 1:
+                case.problems.append(
+                    f"the server preempted nothing ({PREEMPTIONS} moved by {moved}), "
+                    f"where the replay preempted request {replayed.resumed} after "
+                    f"{replayed.preempted_at} outputs"
                 )
-            )
+            for index, sample in enumerate(samples):
+                turn = Turn(
+                    "request", index, shape.prompt_len, 0, 0, prompt=prompts[index]
+                )
+                turn.salt, turn.output = salts[index], sample
+                case.turns.append(turn)
+            other = 0 if replayed.resumed else 1
+            # What each salt stored: the prompt and every computed output.
+            stored = shape.prompt_len + shape.max_tokens - 1
+            for index, hit in zip((replayed.resumed, other), replayed.hits):
+                tail = random_tokens(rng, binding.token_ids, FIRST_PROMPT_TAIL)
+                prompt = [*prompts[index], *samples[index].token_ids, *tail]
+                planned_ = PlannedTurn(index, len(prompt), stored)
+                turn = planned_turn(p, "follow-up", planned_)
+                turn.expected = hit
+                case.turns.append(turn)
+                play_turn(p, turn, prompt, salts[index])
+            finish_turns(p, case.turns)
+            if not case.ok:
+                case.problems.append(WORKLOAD.failure(_described(planned)))
     assert case.record is not None
     return case.record
+
+
+def _described(planned: PreemptionPlan) -> str:
+    replayed = planned.replayed
+    return (
+        f"a pool of {' '.join(planned.args)}; the replay resumed request "
+        f"{replayed.resumed} of {replayed.requests}, preempted after "
+        f"{replayed.preempted_at} outputs, in chunks {list(replayed.chunks)}"
+    )
 
 
 def _applies(deployment: Deployment, mode: Mode) -> bool:
