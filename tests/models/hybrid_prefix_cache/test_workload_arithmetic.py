@@ -19,10 +19,17 @@ from tests.models.hybrid_prefix_cache.harness.compare import (
     Turn,
 )
 from tests.models.hybrid_prefix_cache.harness.workload import Workload
+from tests.models.hybrid_prefix_cache.scheduler.preempt import (
+    POOL_REFUSALS,
+    Preemption,
+    Unpreempted,
+    sized_preemption,
+)
 from tests.models.hybrid_prefix_cache.workloads import (
     abort_retry,
     catalog,
     eviction,
+    preemption,
     shared_prefix,
     small_budget,
 )
@@ -206,6 +213,85 @@ def test_budget_problems_where_chunk_ends_do_not_matter_are_exact():
     assert {c.judged for turn in bare for c in turn.comparisons} == {
         "check_logprobs_close"
     }
+
+
+def _preempted(chunks, hits, prefill_end=384) -> Preemption:
+    return Preemption(2, 1, 9, tuple(chunks), prefill_end, 128, hits, (0, 0))
+
+
+def test_preemption_problems_hold_chunks_and_follow_ups():
+    """Block 128: 376-token prompts (8 short of a block), 24 outputs; the
+    follow-up's bound is what the request computed (399 tokens: 384)."""
+    units, mode, plain = harness.Units(128, 128), harness.Mode(), Deployment()
+    shape = preemption.shape_of(units, plain)
+    assert shape.lengths == (376, 24)
+
+    def problems(result):
+        return preemption.problems_of(result, shape, mode, plain)
+
+    aligned = [(0, 128), (128, 256), (256, 384)]
+    assert problems(_preempted(aligned, (384, 0))) == []
+    # vLLM #33706: the resumed prefill split by the budget alone.
+    (split,) = problems(_preempted([(0, 191), (191, 384)], (256, 0)))
+    assert "ended at 191, inside block 1" in split
+    assert "nothing tested" in problems(None)[0]
+    assert "nothing tested" in problems(_preempted(aligned, (0, 0)))[0]
+    assert "beyond the bound 384" in problems(_preempted(aligned, (512, 0)))[0]
+    assert "off the unit 128" in problems(_preempted(aligned, (320, 0)))[0]
+
+
+def test_preemption_shape_leaves_room_for_a_drafter():
+    """The prompt ends SHORT_OF_BLOCK steps of a drafter's tokens, past its
+    lookahead slots, short of a block; DCP multiplies the block."""
+
+    class Config:
+        num_speculative_tokens, num_lookahead_tokens = 3, 3
+
+    units = harness.Units(128, 128)
+    drafted = preemption.shape_of(units, Deployment(), Config())
+    assert drafted.slack == 8 * 4 + 3
+    assert drafted.lengths == (384 - 35, 3 * 35)
+    dcp = preemption.shape_of(units, Deployment(decode=Instance(tp=2, dcp=2)))
+    assert dcp.prompt_len == 3 * 256 - 8
+
+
+def test_preemption_sizing_takes_the_first_resumed_in_chunks():
+    """Pools below 3 blocks are refused; where one request at a time runs,
+    more requests are not tried; a resume in one chunk is kept only until
+    one in several chunks shows, else the first whose follow-up hits."""
+    played = []
+
+    def build(size: int) -> list:
+        if size < 3:
+            raise ValueError(f"{POOL_REFUSALS[0]} ...")
+        return [size]
+
+    def sized(results):
+        played.clear()
+
+        def play(servers, requests: int):
+            played.append((servers[0], requests))
+            return results(servers[0], requests)
+
+        return sized_preemption(build, play)
+
+    one_chunk = _preempted([(256, 384)], (256, 0))
+    no_hit = _preempted([(256, 384)], (0, 0))
+    chunks = _preempted([(0, 128), (128, 384)], (384, 0))
+
+    def results(size: int, requests: int):
+        if size == 3:
+            return Unpreempted(1)
+        if size == 4:
+            return no_hit if requests == 2 else one_chunk
+        return chunks if requests == 3 else Unpreempted(requests)
+
+    assert sized(results) == (5, [5], chunks)
+    assert played[:2] == [(3, 2), (4, 2)]
+    assert played[-2:] == [(5, 2), (5, 3)]
+    # Never in several chunks: the first whose follow-up hits.
+    assert sized(lambda size, n: no_hit if n == 2 else one_chunk)[:2] == (3, [3])
+    assert sized(lambda size, n: no_hit if n == 2 else one_chunk)[2] is one_chunk
 
 
 def test_every_workload_module_is_in_the_catalog():

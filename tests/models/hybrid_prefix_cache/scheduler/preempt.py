@@ -40,10 +40,20 @@ class Preemption:
     recompute_hits: tuple[int, int]
 
 
+@dataclass(frozen=True)
+class Unpreempted:
+    """No decoding request was preempted; at most ``most_running`` requests
+    ran at once."""
+
+    most_running: int
+
+
 def _watch(log: list) -> Callable[[Scheduler, SchedulerOutput], None]:
-    """Log each step's preemptions and chunks as it is scheduled."""
+    """Log each step's running requests, preemptions and chunks as it is
+    scheduled."""
 
     def watch(scheduler: Scheduler, output: SchedulerOutput) -> None:
+        log.append(("running", len(scheduler.running)))
         for request_id in output.preempted_req_ids or ():
             request = scheduler.requests[request_id]
             log.append(("preempted", request_id, request.num_output_tokens, 0))
@@ -75,11 +85,11 @@ def play_preemption(
     seed: str,
     token_ids: tuple[int, int],
     reverse: bool = False,
-) -> Preemption | None:
+) -> Preemption | Unpreempted:
     """``requests`` requests at once on the first engine (pads between them
     under DP), request i at priority i, sent in order or (``reverse``) last
     first; then the follow-ups of the last one preempted while decoding and
-    of the first, with recomputes. None where none was preempted decoding."""
+    of the first, with recomputes."""
     prompts, state = _prompts(seed, token_ids, prompt_len, requests)
     server, rng = servers[0], random.Random()
     rng.setstate(state)
@@ -103,7 +113,7 @@ def play_preemption(
         server.settle(completion, None)
     resumed = [e for e in log if e[0] == "preempted" and e[2] > 0]
     if not resumed:
-        return None
+        return Unpreempted(max(e[1] for e in log if e[0] == "running"))
     request_id = resumed[-1][1]
     after = log[log.index(resumed[-1]) :]
     chunks = [(e[2], e[3]) for e in after if e[:2] == ("chunk", request_id)]
@@ -134,12 +144,14 @@ def play_preemption(
 
 def sized_preemption(
     build: Callable[[int], Sequence[ReplayServer]],
-    play: Callable[[Sequence[ReplayServer], int], Preemption | None],
+    play: Callable[[Sequence[ReplayServer], int], Preemption | Unpreempted],
 ) -> tuple[int, Sequence[ReplayServer], Preemption | None]:
     """The smallest pool vLLM accepts (check_enough_kv_cache_memory), and the
     fewest requests at once, where a decoding request is preempted, resumed
-    in more than one chunk, and its follow-up hits; else the last that
-    preempted one at all."""
+    in more than one chunk, and its follow-up hits; else the first whose
+    follow-up hits, or the first that preempted one at all. Where fewer
+    requests ran at once than were sent and none was preempted, the pool
+    admits no more: the next is tried."""
     found: tuple[int, Sequence[ReplayServer], Preemption | None] = (0, (), None)
     size, least = 0, None
     while least is None or size < MAX_POOL_GROWTH * least:
@@ -154,9 +166,13 @@ def sized_preemption(
         for requests in range(2, MAX_REQUESTS + 1):
             servers = build(size)
             replayed = play(servers, requests)
-            if replayed is None:
+            if isinstance(replayed, Unpreempted):
+                if replayed.most_running < requests:
+                    break
                 continue
-            found = (size, servers, replayed)
             if len(replayed.chunks) > 1 and replayed.hits[0]:
-                return found
+                return size, servers, replayed
+            better = found[2] is None or replayed.hits[0] and not found[2].hits[0]
+            if better:
+                found = (size, servers, replayed)
     return found

@@ -52,12 +52,13 @@ from tests.models.hybrid_prefix_cache.scheduler.cell import ReplayCell, Setting
 from tests.models.hybrid_prefix_cache.scheduler.judge import controls
 from tests.models.hybrid_prefix_cache.scheduler.preempt import (
     Preemption,
+    Unpreempted,
     play_preemption,
     sized_preemption,
 )
 
-# The prompts end this many tokens short of an attention block, so that each
-# request needs a block more after as many decode steps.
+# The prompts end this many decode steps short of an attention block, so that
+# each request needs a block more after as many steps.
 SHORT_OF_BLOCK = 8
 # Prometheus name of vLLM's preemption counter (v1/metrics/loggers.py).
 PREEMPTIONS = "vllm:num_preemptions_total"
@@ -66,20 +67,29 @@ PREEMPTIONS = "vllm:num_preemptions_total"
 @dataclass(frozen=True)
 class Shape:
     """Each request's prompt (three attention blocks, each ``dcp`` scheduler
-    blocks under DCP, less SHORT_OF_BLOCK) and output (three times that), a
+    blocks under DCP, less its slack) and output (three times that), a
     budget of a block and a half (a replayed prefill takes several chunks),
-    and the model's length: a follow-up and its output."""
+    and the model's length: a follow-up and its output. The slack is
+    SHORT_OF_BLOCK steps of up to ``1 + spec`` tokens each, past the
+    ``lookahead`` slots the scheduler allocates with every step
+    (VllmConfig.num_speculative_tokens, num_lookahead_tokens)."""
 
     units: Units
     dcp: int = 1
+    spec: int = 0
+    lookahead: int = 0
+
+    @property
+    def slack(self) -> int:
+        return SHORT_OF_BLOCK * (1 + self.spec) + self.lookahead
 
     @property
     def prompt_len(self) -> int:
-        return 3 * self.units.block * self.dcp - SHORT_OF_BLOCK
+        return 3 * self.units.block * self.dcp - self.slack
 
     @property
     def max_tokens(self) -> int:
-        return 3 * SHORT_OF_BLOCK
+        return 3 * self.slack
 
     @property
     def budget(self) -> int:
@@ -105,8 +115,14 @@ class Shape:
         )
 
 
-def shape_of(units: Units, deployment: Deployment) -> Shape:
-    return Shape(units, max(deployment.instances[0].dcp, 1))
+def shape_of(units: Units, deployment: Deployment, config=None) -> Shape:
+    """The shape for ``deployment``'s first instance, whose engine's
+    ``config`` gives its drafter's tokens a step."""
+    dcp = max(deployment.instances[0].dcp, 1)
+    if config is None:
+        return Shape(units, dcp)
+    spec, lookahead = config.num_speculative_tokens, config.num_lookahead_tokens
+    return Shape(units, dcp, spec, lookahead)
 
 
 def chunk_problems(
@@ -159,7 +175,7 @@ def replay(cell: ReplayCell) -> None:
     for kda, alignment in cell.kda_checkpoints.items():
         engines = cell.engines(kda=alignment)
         units, _ = cell.servers_of(engines)
-        shape = shape_of(units, cell.deployment)
+        shape = shape_of(units, cell.deployment, engines[0].vllm_config)
 
         def build(blocks: int, alignment=alignment, shape=shape):
             setting = Setting(shape.budget, blocks, None, shape.max_len, "priority")
@@ -182,7 +198,7 @@ def replay(cell: ReplayCell) -> None:
                 cell.token_ids,
                 reverse=True,
             )
-            if again is None or (again.resumed, again.hits) != (
+            if isinstance(again, Unpreempted) or (again.resumed, again.hits) != (
                 result.resumed,
                 result.hits,
             ):
@@ -209,9 +225,11 @@ def plan(
 ) -> PreemptionPlan:
     """The case replayed first on the engines its servers' exact arguments
     build in-process, sizing the pool (:func:`sized_preemption`)."""
-    shape = shape_of(in_process.units(mode), deployment)
-    sizing, _ = in_process.replay_servers(deployment, mode, shape.args())
+    units = in_process.units(mode)
+    args = shape_of(units, deployment).args()
+    sizing, _ = in_process.replay_servers(deployment, mode, args)
     per_block = sizing.block_bytes
+    shape = shape_of(units, deployment, sizing.vllm_config)
 
     def build(blocks: int):
         pool = shape.args(blocks * per_block)
@@ -307,8 +325,9 @@ def _described(planned: PreemptionPlan) -> str:
 
 def _applies(deployment: Deployment, mode: Mode) -> bool:
     """Not under P/D (the decoder would replay a transfer), nor DCP or a
-    drafter that reserves lookahead slots: there no pool the sizing tries
-    preempts a decoding request (findings/preemption.md)."""
+    drafter that drops a hit unit or takes lookahead hashes (rules.drafting):
+    there no pool the sizing tries preempts a decoding request
+    (findings/preemption.md)."""
     rule = mode.drafting(deployment.instances[0])
     plain = deployment.prefill is None and deployment.instances[0].dcp <= 1
     return plain and not (rule.drops_unit or rule.lookahead)
@@ -329,7 +348,5 @@ WORKLOAD = Workload(
     play=play,
     replay=replay,
     applies=_applies,
-    # Kimi-K3's 17k-token replays took minutes a cell, findings/preemption.md.
-    tiers=("cpu",),
     own_servers=True,
 )
