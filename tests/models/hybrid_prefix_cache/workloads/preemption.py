@@ -147,15 +147,23 @@ def _rule(shape: Shape, mode: Mode, deployment: Deployment) -> int:
     return hit_bound(stored - deployment.cache_backoff, length, shape.units.hit)
 
 
-def problems_of(
-    result: Preemption | None, shape: Shape, mode: Mode, deployment: Deployment
-) -> list[str]:
+def untested(result: Preemption | None) -> str:
+    """Why the sizing's result leaves nothing to test, or ""."""
     if result is None:
-        return ["no pool tried preempted a decoding request: nothing tested"]
+        return "no pool tried preempted a decoding request: nothing tested"
     # A resume that hits its own offloaded blocks may take one chunk: then
     # only its follow-up's hit is held.
     if not result.hits[0]:
-        return ["the resumed request's follow-up hit nothing: nothing tested"]
+        return "the resumed request's follow-up hit nothing: nothing tested"
+    return ""
+
+
+def problems_of(
+    result: Preemption | None, shape: Shape, mode: Mode, deployment: Deployment
+) -> list[str]:
+    missing = untested(result)
+    if result is None or missing:
+        return [missing]
     units = shape.units
     checkpoint = prompt_end_checkpoint(shape.prompt_len, units.hit, mode.drops_unit)
     found = chunk_problems(result.chunks, result.prefill_end, result.block, checkpoint)
@@ -242,8 +250,8 @@ def plan(
     blocks, _, result = sized_preemption(build, replayed)
     # Only what leaves nothing to test stops the case: the real servers show
     # what a misplaced chunk does to the state.
-    found = problems_of(result, shape, mode, deployment)
-    assert result is not None and result.hits[0], WORKLOAD.failure("; ".join(found))
+    missing = untested(result)
+    assert result is not None and not missing, WORKLOAD.failure(missing)
     return PreemptionPlan(shape, shape.args(blocks * per_block), result)
 
 
