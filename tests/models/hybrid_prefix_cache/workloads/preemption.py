@@ -71,8 +71,8 @@ class Shape:
     budget of a block and a half (a replayed prefill takes several chunks),
     and the model's length: a follow-up and its output. The slack is
     SHORT_OF_BLOCK steps of up to ``1 + spec`` tokens each, past the
-    ``lookahead`` slots the scheduler allocates with every step
-    (VllmConfig.num_speculative_tokens, num_lookahead_tokens)."""
+    ``lookahead`` slots the scheduler allocates with every step (config/vllm.py
+    VllmConfig.num_speculative_tokens, num_lookahead_tokens)."""
 
     units: Units
     dcp: int = 1
