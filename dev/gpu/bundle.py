@@ -28,7 +28,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import manifest as mf  # noqa: E402
-from closure import Closure, Dist, canonicalize_name, walk  # noqa: E402
+from closure import (  # noqa: E402
+    Closure,
+    Dist,
+    canonicalize_name,
+    requirements,
+    satisfies,
+    walk,
+    wheel_dist,
+)
 from wheels import sha256_file, split, trim_wheel, write_tar  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -102,17 +110,21 @@ class Pip:
 
 @dataclass
 class Resolution:
-    dists: dict[str, Dist]  # pip's choice for each name
+    dists: dict[str, Dist]  # pip's choice for each name, vLLM's from its wheel
     files: dict[str, tuple[str, str | None]]  # its file name and sha256
     main: Closure  # what vLLM needs
     side: Closure  # what NIXL needs beyond that
     roots: dict[str, list[str]]
     platforms: list[str]
     known: dict[str, str]
-    present: set[str]
+    present: set[str]  # what the machine's own packages serve
     pins: dict[str, str] = field(default_factory=dict)
     note: str = ""
     drops: dict[str, list[str]] = field(default_factory=dict)
+    # the machine's packages replaced, because a requirement refuses the
+    # version there: name -> {required_by: specifier}
+    replaced: dict[str, dict[str, str]] = field(default_factory=dict)
+    kept: dict[str, str] = field(default_factory=dict)  # name -> why
 
 
 def read_report(report: dict, cfg: dict) -> tuple[dict, dict]:
@@ -134,42 +146,140 @@ def read_report(report: dict, cfg: dict) -> tuple[dict, dict]:
     return dists, files
 
 
-def resolve(pip: Pip, cfg: dict, vllm_wheel: Path, nixl: list[str]) -> Resolution:
-    """Resolve once unpinned, to learn which of the machine's known versions
-    some requirement refuses, then again with the others pinned."""
+def pip_roots(vllm: Dist, env: dict[str, str], leave: set[str]) -> list[str]:
+    """The requirements of ``vllm`` on the machine, as pip's roots, less ``leave``: what
+    never travels (excluded), so its pins need not exist in the registry, and
+    what the machine keeps (pinned to its own version instead)."""
+    roots = []
+    for req in requirements(vllm, env):
+        if canonicalize_name(req.name) not in leave:
+            req.marker = None
+            roots.append(str(req))
+    return roots
+
+
+def needing(
+    free: Resolution, known: dict, kept: set[str], carried: set[str], env: dict
+) -> dict[str, dict[str, str]]:
+    """The machine's packages that a carried package's requirement refuses,
+    by pip's free choice of it, until none is left: name -> {by: specifier}."""
+    found: dict[str, dict[str, str]] = {}
+    grew = True
+    while grew:
+        grew = False
+        for name in sorted(carried | set(found)):
+            dist = free.dists.get(name)
+            for req in requirements(dist, env) if dist else ():
+                dep, spec = canonicalize_name(req.name), str(req.specifier)
+                travel = kept | carried | set(found)
+                if (
+                    dep in known
+                    and dep not in travel
+                    and not satisfies(known[dep], spec)
+                ):
+                    found[dep], grew = {name: spec}, True
+    return found
+
+
+def pinned_in_conflict(log: str, pins: dict[str, str]) -> dict[str, dict[str, str]]:
+    """The pins pip names in a conflict it cannot resolve (its "Cannot install"
+    and "The conflict is caused by" lines): name -> {"pip": its words}."""
+    said = [
+        ln.strip()
+        for ln in log.splitlines()
+        if "Cannot install" in ln or "(constraint)" in ln or " depends on " in ln
+    ]
+    found = {}
+    for line in said:
+        for name, version in re.findall(r"([A-Za-z0-9][\w.-]*)==([\w.+!-]+)", line):
+            name = canonicalize_name(name)
+            if pins.get(name) == version.rstrip(".,"):
+                found[name] = {"pip": URL.sub("<index>", line)[:200]}
+    return found
+
+
+def resolve(
+    pip: Pip, cfg: dict, vllm_wheel: Path, nixl: list[str], kept: dict[str, str]
+) -> Resolution:
+    """Resolve with only the kept packages pinned, to learn which of the
+    machine's known versions some requirement refuses, then again with the
+    others pinned and the refused ones carried, until no carried package
+    refuses another."""
+    vllm = wheel_dist(vllm_wheel)
     known = {canonicalize_name(n): v for n, v in cfg["present"]["versions"].items()}
     present = set(known) | {canonicalize_name(n) for n in cfg["present"]["unversioned"]}
     excluded = {canonicalize_name(n) for n in cfg["excluded"]}
     env = cfg["machine"]["markers"]
-    roots = {"main.tar": [f"vllm=={cfg['vllm']}"], "nixl.tar": nixl}
+    unknown = sorted(set(kept) - set(known))
+    if unknown:
+        raise BundleError(f"kept but no version known there: {', '.join(unknown)}")
+    fixed = {n: known[n] for n in kept}
+    asks = pip_roots(vllm, env, excluded | set(kept))
+    roots = {"main.tar": [f"vllm=={vllm.version}"], "nixl.tar": nixl}
 
-    def close(log: str, pins: dict[str, str]) -> Resolution:
-        report = pip.report(log, [str(vllm_wheel), *nixl], pins)
+    def close(log: str, pins: dict[str, str], carried: set[str]) -> Resolution:
+        report = pip.report(log, [*asks, *nixl], {**pins, **fixed})
         dists, files = read_report(report, cfg)
-        main = walk(roots["main.tar"], dists, env, present, excluded)
-        side = walk(nixl, dists, env, present, excluded, stop=set(main.needed))
+        dists["vllm"] = vllm
+        have = present - carried
+        main = walk(roots["main.tar"], dists, env, have, excluded)
+        side = walk(nixl, dists, env, have, excluded, stop=set(main.needed))
         if main.problems or side.problems:
             said = "; ".join(main.problems + side.problems)
             raise BundleError(f"resolution incomplete: {said}")
         tags = platforms(cfg["machine"]["glibc"])
-        return Resolution(dists, files, main, side, roots, tags, known, present, pins)
+        hits = mf.present_hits(main, side)
+        stay = set(kept) | excluded
+        refused = {
+            n: by for n, by in mf.conflicts(hits, known).items() if n not in stay
+        }
+        return Resolution(
+            dists,
+            files,
+            main,
+            side,
+            roots,
+            tags,
+            known,
+            have,
+            pins,
+            kept=kept,
+            replaced=refused,
+        )
 
-    first = close("resolve-unpinned", {})
-    refused = mf.conflicts(mf.present_hits(first.main, first.side), known)
-    try:
-        res = close("resolve", {n: v for n, v in known.items() if n not in refused})
-        res.note = "the machine's known versions pinned, less those refused"
-    except BundleError as e:
-        res = first
-        res.note = f"unpinned, since with pins: {e}"
-    if refused:
-        res.note += f" ({', '.join(sorted(refused))})"
+    free = close("resolve-unpinned", {}, set())
+    res, error, why, carried = free, None, dict(free.replaced), set()
+    for turn in range(1, 6):
+        why.update({n: by for n, by in res.replaced.items() if n not in why})
+        why.update(needing(free, known, set(kept) | excluded, set(why), env))
+        if turn > 1 and error is None and set(why) <= carried:
+            break
+        carried = set(why)
+        pins = {n: v for n, v in known.items() if n not in carried}
+        try:
+            res, error = close(f"resolve-{turn}", pins, carried), None
+        except BundleError as e:
+            error = e
+            log = (pip.cache / f"resolve-{turn}.log").read_text(errors="replace")
+            found = pinned_in_conflict(log, pins)
+            if not found:
+                break
+            why.update(found)
+            continue
+        res.replaced = {n: why.get(n) or by for n, by in res.replaced.items()}
+        res.replaced.update({n: why[n] for n in carried})
+        res.note = "the machine's known versions pinned, less those carried"
+    if error is not None:
+        res = free
+        res.note = f"unpinned, since with pins: {error}"
     # What only an excluded package needs stays behind with it.
-    kept = set(res.main.needed) | set(res.side.needed)
+    kept_names = set(res.main.needed) | set(res.side.needed)
     for c in (res.main, res.side):
         for x, extras in c.excluded_extras.items():
             root = f"{x}[{','.join(sorted(extras))}]" if extras else x
-            only = walk([root], res.dists, env, present, excluded - {x}, stop=kept)
+            only = walk(
+                [root], res.dists, env, present, excluded - {x}, stop=kept_names
+            )
             res.drops[x] = sorted(set(res.drops.get(x, [])) | set(only.needed) - {x})
     return res
 
@@ -217,11 +327,14 @@ def build(args: argparse.Namespace, cfg: dict) -> dict:
         (cache / d).mkdir(parents=True, exist_ok=True)
     pip = Pip(args.python, cfg, cache, args.pip_arg)
     version = cfg["vllm"]
+    trims = [r for r in cfg["trim"] if applies(r, version)]
+    kept = {} if args.carry_kept else cfg.get("kept", {})
+    kept = {canonicalize_name(n): why for n, why in kept.items()}
     src = Path(args.vllm_wheel) if args.vllm_wheel else None
     if src is None:
         pip.download("download-vllm.log", cache / "vllm", [f"vllm=={version}"])
         src = next((cache / "vllm").glob(f"vllm-{version}-*.whl"))
-    res = resolve(pip, cfg, src, [] if args.no_nixl else list(cfg["nixl"]))
+    res = resolve(pip, cfg, src, [] if args.no_nixl else list(cfg["nixl"]), kept)
     if res.dists["vllm"].version != version:
         raise BundleError(f"{src.name} is vllm {res.dists['vllm'].version}")
     wheels = cache / "wheels"
@@ -229,16 +342,21 @@ def build(args: argparse.Namespace, cfg: dict) -> dict:
     deps = fetch(pip, res, deps, wheels, "download-deps.log")
     side = fetch(pip, res, sorted(res.side.needed), wheels, "download-nixl.log")
     trimmed = cache / "trimmed" / src.name
-    cut = trim_wheel(src, trimmed, cfg["trim"])
+    cut = trim_wheel(src, trimmed, trims)
     tars = {"main.tar": [trimmed, *deps]}
     if side:
         tars["nixl.tar"] = side
     limit = int(args.part_mib * MiB)
     entries = package(out, cache, tars, limit)
     wheel = {"original": src, "trimmed": trimmed, "cut": cut}
-    manifest = mf.make(cfg, res, wheel, tars, entries, limit)
+    manifest = mf.make({**cfg, "trim": trims}, res, wheel, tars, entries, limit)
     mf.write(out, manifest)
     return manifest
+
+
+def applies(rule: dict, version: str) -> bool:
+    """A trim rule's ``releases`` (a specifier, default all) holds ``version``."""
+    return satisfies(version, rule.get("releases", ""))
 
 
 def carried(out: Path, manifest: dict) -> list[str]:
@@ -262,6 +380,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out_dir", nargs="?", default=str(REPO / ".gpu-bundle"))
     ap.add_argument("--config", default=str(CONFIG))
     ap.add_argument("--python", help="runs pip (default: the machine's version)")
+    ap.add_argument("--vllm", help="the release to carry (default: the config's)")
+    ap.add_argument(
+        "--carry-kept",
+        action="store_true",
+        help="carry pip's choice of what the config keeps (its torch: route 2)",
+    )
     ap.add_argument("--no-nixl", action="store_true", help="leave NIXL out")
     ap.add_argument("--vllm-wheel", help="a vLLM wheel here instead of a download")
     ap.add_argument("--part-mib", type=float, help="default: the config's")
@@ -271,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "build":
             cfg = tomllib.loads(Path(args.config).read_text())
+            cfg["vllm"] = args.vllm or cfg["vllm"]
             args.part_mib = args.part_mib or cfg["part_mib"]
             version = cfg["machine"]["python"]
             args.python = args.python or find_python(version)

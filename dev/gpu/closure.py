@@ -27,7 +27,15 @@ except ImportError:  # pip always carries a copy
     from pip._vendor.packaging.utils import canonicalize_name
     from pip._vendor.packaging.version import Version
 
-__all__ = ["Dist", "Closure", "walk", "wheel_dist", "satisfies", "canonicalize_name"]
+__all__ = [
+    "Dist",
+    "Closure",
+    "walk",
+    "wheel_dist",
+    "requirements",
+    "satisfies",
+    "canonicalize_name",
+]
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,18 @@ def _applies(marker: Marker | None, env: dict[str, str], extras: set[str]) -> bo
         return True
     # "" stands for no extra, as pip evaluates a requirement without one.
     return any(marker.evaluate({**env, "extra": e}) for e in {"", *extras})
+
+
+def requirements(
+    dist: Dist, env: dict[str, str], extras: set[str] = frozenset()
+) -> list[Requirement]:
+    """``dist``'s requirements that apply on the target, asked with ``extras``."""
+    found = []
+    for line in dist.requires:
+        req = Requirement(line)
+        if _applies(req.marker, env, set(extras)):
+            found.append(req)
+    return found
 
 
 def walk(
@@ -105,17 +125,10 @@ def walk(
         if not first and extras <= seen:
             continue
         seen |= {canonicalize_name(e) for e in extras}
-        for line in dist.requires:
-            req = Requirement(line)
-            if _applies(req.marker, env, seen):
-                todo.append(
-                    (
-                        canonicalize_name(req.name),
-                        set(req.extras),
-                        name,
-                        str(req.specifier),
-                    )
-                )
+        for req in requirements(dist, env, seen):
+            todo.append(
+                (canonicalize_name(req.name), set(req.extras), name, str(req.specifier))
+            )
     return out
 
 

@@ -77,8 +77,18 @@ def make(cfg: dict, res, wheel: dict, tars: dict, entries: list, limit: int) -> 
             "version": res.known.get(n),
             "required": dict(sorted(by.items())),
             "satisfied": None if n not in res.known else n not in bad,
+            **({"kept": res.kept[n]} if n in res.kept else {}),
         }
         for n, by in sorted(hits.items())
+    ]
+    replaced = [
+        {
+            "name": n,
+            "there": res.known[n],
+            "carried": res.dists[n].version,
+            "because": dict(sorted(by.items())),
+        }
+        for n, by in sorted(res.replaced.items())
     ]
     excluded = []
     for n, reason in sorted(cfg["excluded"].items()):
@@ -109,6 +119,7 @@ def make(cfg: dict, res, wheel: dict, tars: dict, entries: list, limit: int) -> 
         "wheels": sorted(wheels, key=lambda w: (w["tar"], w["name"])),
         "excluded": excluded,
         "present": present,
+        "replaced": replaced,
         "present_names": sorted(res.present),
         "tars": entries,
         "parts": [dict(p, tar=t["name"]) for t in entries for p in t["parts"]],
@@ -161,6 +172,12 @@ def summary(manifest: dict) -> list[str]:
         ),
         f"resolution: {manifest['resolution']['note']}",
     ]
+    for r in manifest.get("replaced", ()):
+        by = ", ".join(
+            f"needs carried {spec}" if n == "needs" else f"{n} wants {spec}"
+            for n, spec in r["because"].items()
+        )
+        lines.append(f"carried: {r['name']} {r['carried']} over {r['there']}; {by}")
     for p in manifest["present"]:
         if p["satisfied"] is False:
             need = ", ".join(
@@ -168,5 +185,6 @@ def summary(manifest: dict) -> list[str]:
                 for by, spec in p["required"].items()
                 if not satisfies(p["version"], spec)
             )
-            lines.append(f"conflict: {p['name']} {p['version']} there; {need}")
+            kind = "kept" if p.get("kept") else "conflict"
+            lines.append(f"{kind}: {p['name']} {p['version']} there; {need}")
     return lines

@@ -149,8 +149,9 @@ def write_tree(sdist: Path, version: str, out: Path, wheels=()) -> Path:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="dev/gpu/test_tree.py")
     parser.add_argument("out_dir", nargs="?", type=Path, default=REPO / ".gpu-bundle")
+    parser.add_argument("--vllm", help="the release (default: bundle.toml's)")
     args = parser.parse_args(argv)
-    version = pinned_version()
+    version = args.vllm or pinned_version()
     sdist = fetch_sdist(version, args.out_dir / "cache" / "sdist")
     wheels = fetch_wheels(args.out_dir / "cache" / "test-wheels")
     target = write_tree(sdist, version, args.out_dir, wheels)

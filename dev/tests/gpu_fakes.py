@@ -14,10 +14,11 @@ TRIMMED = [
     "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",
     "vllm/vllm-rs",
     "vllm/third_party/fmha_sm100/attn.py",
-    "vllm/third_party/deep_gemm/_C.cpython-310-x86_64-linux-gnu.so",
-    "vllm/third_party/deep_gemm/_C.cpython-313-x86_64-linux-gnu.so",
 ]
+# Kept: the machine's Python; and another Python's, whose rule names older
+# releases than VERSION.
 KEPT_SO = "vllm/third_party/deep_gemm/_C.cpython-312-x86_64-linux-gnu.so"
+OTHER_RELEASE_SO = "vllm/third_party/deep_gemm/_C.cpython-310-x86_64-linux-gnu.so"
 
 
 def record_hash(data: bytes) -> str:
@@ -54,6 +55,7 @@ def fake_index(dest: Path) -> Path:
         "vllm/__init__.py": f'__version__ = "{VERSION}"\n'.encode(),
         "vllm/payload.bin": noise(300_000),
         KEPT_SO: noise(1000),
+        OTHER_RELEASE_SO: noise(1000),
         **{p: noise(2000) for p in TRIMMED},
     }
     vllm = make_wheel(
@@ -66,10 +68,14 @@ def fake_index(dest: Path) -> Path:
             'dep-old; python_version < "3.12"',  # false there
             "dep-c[fancy]",  # an extra, whose dependency travels
             'zen-thing; extra == "zen"',  # an extra of vLLM, not asked for
-            "torch==2.11.0",  # present, known version satisfies
-            "numpy<2.4",  # present, known version 2.5.2 does not
+            "torch==2.14.0",  # present 2.11.0, kept by the config (route 1)
+            "numpy<2.4",  # present 2.5.2: refused, so pip's 2.3.0 travels
             "click",  # present, version unknown
-            "heavy-opt",  # declared optional: left out with what only it needs
+            "heavy-opt",  # declared optional: never resolved
+            "gone-opt==1.0",  # declared optional, and not in the index at all
+            "hub>=2",  # present 1.0 refused; the present tf 1.0 needs hub<2
+            "tf",  # so pip cannot keep tf 1.0 and says so: tf 1.1 travels
+            "cfg>=1",  # present 1.0 satisfies: stays
         ],
         vllm_files,
     )
@@ -85,6 +91,14 @@ def fake_index(dest: Path) -> Path:
         ("heavy-opt", "1.0", ["heavy-only", "dep-a"]),
         ("heavy-only", "1.0", []),
         ("torch", "2.11.0", []),
+        ("torch", "2.14.0", ["tri~=3.8"]),  # route 2 carries it and its tri
+        ("tri", "3.6.0", []),
+        ("tri", "3.8.0", []),
+        ("hub", "1.0", []),
+        ("hub", "2.0", []),
+        ("tf", "1.0", ["hub<2", "cfg"]),
+        ("tf", "1.1", ["hub>=2", "cfg"]),
+        ("cfg", "1.0", []),
         ("numpy", "2.3.0", []),
         ("numpy", "2.5.2", []),
         ("click", "8.0", []),
@@ -117,8 +131,15 @@ def fake_config(path: Path, real: dict) -> Path:
         "[present.versions]",
         'torch = "2.11.0"',
         'numpy = "2.5.2"',
+        'tri = "3.6.0"',
+        'hub = "1.0"',
+        'tf = "1.0"',
+        'cfg = "1.0"',
+        "[kept]",
+        'torch = "the torch there serves, in the test"',
         "[excluded]",
         'heavy-opt = "heavy and optional, in the test"',
+        'gone-opt = "pinned to a release the index lacks, in the test"',
         'nixl-cu12 = "the other CUDA build"',
     ]
     for rule in real["trim"]:
@@ -126,6 +147,7 @@ def fake_config(path: Path, real: dict) -> Path:
             "[[trim]]",
             f"pattern = '{rule['pattern']}'",
             f'reason = "{rule["reason"]}"',
+            *([f'releases = "{rule["releases"]}"'] if "releases" in rule else []),
         ]
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -24,7 +24,14 @@ import verify  # noqa: E402
 from closure import canonicalize_name  # noqa: E402
 from wheels import check_record, trim_wheel  # noqa: E402
 
-from .gpu_fakes import KEPT_SO, TRIMMED, VERSION, fake_config, fake_index  # noqa: E402
+from .gpu_fakes import (  # noqa: E402
+    KEPT_SO,
+    OTHER_RELEASE_SO,
+    TRIMMED,
+    VERSION,
+    fake_config,
+    fake_index,
+)
 
 REAL = tomllib.loads((GPU / "bundle.toml").read_text())
 PART_MIB = 0.125  # small parts, so that the fake main tar needs several
@@ -125,21 +132,61 @@ def test_every_requirement_bundled_present_or_optional(world):
         "dep-c": "1.0",
         "dep-d": "1.0",
         "dep-e": "1.0",
+        "numpy": "2.3.0",  # vLLM refuses the 2.5.2 there
+        "hub": "2.0",  # vLLM refuses the 1.0 there
+        "tf": "1.1",  # pip: the 1.0 there wants hub<2
         "nixl": "1.0.0",
         "nixl-cu13": "1.0.0",
     }
     present = by_name(m, "present")
-    assert present["torch"]["satisfied"] is True
-    assert present["numpy"]["satisfied"] is False  # 2.5.2 there, vLLM wants <2.4
-    assert present["numpy"]["required"]["vllm"] == "<2.4"
+    assert present["torch"]["satisfied"] is False  # 2.11.0 there, vLLM pins 2.14.0
+    assert (
+        present["torch"]["kept"] and present["torch"]["required"]["vllm"] == "==2.14.0"
+    )
+    assert present["cfg"]["satisfied"] is True
     assert present["click"]["satisfied"] is None
+    assert "numpy" not in present and "numpy" not in m["present_names"]
+    replaced = by_name(m, "replaced")
+    assert replaced["numpy"]["because"] == {"vllm": "<2.4"}
+    assert replaced["numpy"]["there"] == "2.5.2"
+    assert replaced["hub"]["because"] == {"vllm": ">=2"}
+    assert "tf==1.0" in replaced["tf"]["because"]["pip"]
+    assert (replaced["tf"]["there"], replaced["tf"]["carried"]) == ("1.0", "1.1")
     excluded = by_name(m, "excluded")
     assert excluded["heavy-opt"]["required_by"] == ["vllm"]
-    assert excluded["heavy-opt"]["drops"] == ["heavy-only"]
+    # Never resolved, so what only it needs is never fetched.
+    assert excluded["heavy-opt"]["drops"] == [] and "heavy-only" not in bundled
+    assert excluded["gone-opt"]["required_by"] == ["vllm"]
     assert excluded["nixl-cu12"]["required_by"] == ["nixl"]
     assert all(x["reason"] for x in m["excluded"])
-    # numpy is not pinned: its known version conflicts.
-    assert m["resolution"]["pins"] == {"torch": "2.11.0"}
+    # What the machine keeps stays pinned; what travels is not.
+    assert m["resolution"]["pins"] == {"cfg": "1.0", "torch": "2.11.0", "tri": "3.6.0"}
+
+
+def test_carry_kept_takes_what_the_kept_needs(world, tmp_path):
+    """Route 2: the kept torch travels at vLLM's pin, and so does the tri its
+    requirement refuses there."""
+    out = tmp_path / "b"
+    build(out, world["index"], world["vllm"], world["config"], "--carry-kept")
+    m = json.loads((out / "manifest.json").read_text())
+    bundled = {w["name"]: w["version"] for w in m["wheels"]}
+    assert bundled["torch"] == "2.14.0" and bundled["tri"] == "3.8.0"
+    replaced = by_name(m, "replaced")
+    assert replaced["torch"]["because"] == {"vllm": "==2.14.0"}
+    assert replaced["tri"]["because"] == {"torch": "~=3.8"}
+    assert not any(p.get("kept") for p in m["present"])
+    assert verify.verify(out, tmp_path / "v") == []
+
+
+def test_trim_rules_follow_the_release(world):
+    """A rule's releases decide whether it applies: the other Python's
+    DeepGEMM extension rule names releases before the fake one's."""
+    m = world["manifest"]
+    patterns = {rule["pattern"] for rule in m["vllm_wheel"]["cut"]}
+    older = [r for r in REAL["trim"] if "releases" in r]
+    assert older and not patterns & {r["pattern"] for r in older}
+    with zipfile.ZipFile(world["wheels"] / m["vllm_wheel"]["file"]) as zf:
+        assert OTHER_RELEASE_SO in zf.namelist()
 
 
 def test_checksums_and_sizes_match_the_files(world):
@@ -249,7 +296,7 @@ def test_verify_catches_breakage(world, tmp_path):
     m["present_names"].remove("torch")
     (out / "manifest.json").write_text(json.dumps(m))
     problems = verify.verify(out, tmp_path / "v1")
-    assert any(p.startswith("torch==2.11.0 (required by vllm)") for p in problems)
+    assert any(p.startswith("torch==2.14.0 (required by vllm)") for p in problems)
     last = m["parts"][-1]
     corrupt(out / last["name"])
     problems = verify.verify(out, tmp_path / "v2")

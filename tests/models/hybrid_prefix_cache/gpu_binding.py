@@ -59,9 +59,17 @@ BASE_ARGS = (
     # the checks do not depend on graphs or compile; starts are shorter
     "--enforce-eager",
 )
-# FlashInfer's GDN prefill (SM90) needs the CUTLASS DSL, else Triton
-# (gdn/qwen_gdn_linear_attn.py _resolve_gdn_prefill_backend).
+# vLLM's "auto" GDN prefill on SM90 takes FlashInfer's kernel (0.34) or one
+# needing the CuTe DSL (0.26) (gdn/qwen_gdn_linear_attn.py
+# _resolve_gdn_prefill_backend); without either package, Triton.
 TRITON_GDN = ("--additional-config", json.dumps({"gdn_prefill_backend": "triton"}))
+GDN_PREFILL_PACKAGES = ("flashinfer", "cutlass")
+# Partial mode's exact construction (findings/gpu-partial-mode-exact.md): the
+# GDN kernel carries its state in float32 from one chunk to the next, so a hit
+# on that chunk grid, restored from a float32 cache, resumes where a fresh
+# prefill passes. vLLM raises --block-size to a multiple of itself that holds
+# the state (platforms/interface.py, HybridAttentionMambaModelConfig path).
+FLOAT32_SSM = ("--mamba-ssm-cache-dtype", "float32")
 # unset: the written weights; dummy (a wrong state goes unseen) or
 # hybrid_seeded (seeded_load/, drawn in the server)
 LOAD_FORMAT_ENV = "HYBRID_PC_GPU_LOAD_FORMAT"
@@ -221,7 +229,7 @@ def gpu_binding(model: TinyHybrid, exact: bool = True) -> Binding:
     """Exact on a hit's own path where ``exact`` (budget from :func:`served`),
     else check_logprobs_close alone."""
     args = list(BASE_ARGS)
-    if importlib.util.find_spec("cutlass") is None:
+    if any(importlib.util.find_spec(p) is None for p in GDN_PREFILL_PACKAGES):
         args += TRITON_GDN
     env = {"HF_HUB_OFFLINE": "1"}
     load_format = os.environ.get(LOAD_FORMAT_ENV)
@@ -239,6 +247,9 @@ def gpu_binding(model: TinyHybrid, exact: bool = True) -> Binding:
         visible_devices_env=None,
         concurrent_start=True,
         exact_on_blocks=exact,
+        # one config in two processes on one GPU: the relay against the
+        # recompute, exactly (findings/gpu-tier-h100-0.34.md)
+        exact_across_instances=exact,
     )
 
 
@@ -249,9 +260,27 @@ def served_mode(mode: Mode, units: Units) -> Mode:
     return replace(mode, prefix_match_unit=partial_unit(units.block))
 
 
-def served(case_id: str, units: Units) -> tuple[Deployment, Mode]:
-    """``case_id`` as served at ``units``: rules.exact_budget and the partial
-    unit."""
+def gdn_chunk() -> int:
+    """The tokens the GDN kernel carries its state across in float32."""
+    from vllm.third_party.flash_linear_attention.ops.utils import FLA_CHUNK_SIZE
+
+    return FLA_CHUNK_SIZE
+
+
+def served(
+    case_id: str, units: Units, binding: Binding
+) -> tuple[Binding, Deployment, Mode]:
+    """``case_id`` as served: block mode in the model's dtype under
+    rules.exact_budget at ``units``; partial mode on the GDN chunk's grid, its
+    SSM cache in float32, at vLLM's default budget."""
     deployment, mode = MATRIX.served(case_id)
-    budget = ("--max-num-batched-tokens", str(exact_budget(units.block)))
-    return with_serve_args(deployment, budget), served_mode(mode, units)
+    if mode.prefix_match_unit is None:
+        budget = ("--max-num-batched-tokens", str(exact_budget(units.block)))
+        return binding, with_serve_args(deployment, budget), mode
+    chunk = gdn_chunk()
+    args = (*FLOAT32_SSM, "--block-size", str(chunk))
+    return (
+        replace(binding, exact_grid=chunk),
+        with_serve_args(deployment, args),
+        replace(mode, prefix_match_unit=chunk),
+    )

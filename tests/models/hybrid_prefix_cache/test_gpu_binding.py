@@ -49,16 +49,29 @@ def _flag(args, flag):
 
 @pytest.mark.parametrize("case_id", list(gpu.MATRIX.cases))
 def test_served_case_takes_the_geometry(case_id: str):
-    """Every instance of every case schedules one block a step, and a
-    partial mode's unit is the geometry's."""
+    """Block mode schedules one block a step in the model's dtype; partial
+    mode keeps the SSM cache in float32 on the GDN kernel's chunk grid, at the
+    default budget, and its hits on that grid are held exactly."""
     units = Units(block=80, hit=80)
-    deployment, mode = gpu.served(case_id, units)
-    binding = gpu.gpu_binding(MODEL)
+    binding, deployment, mode = gpu.served(case_id, units, gpu.gpu_binding(MODEL))
+    chunk = gpu.gdn_chunk()
+    partial = "-partial" in case_id
+    assert binding.exact_grid == (chunk if partial else None), case_id
     for spec in server_specs(binding, deployment, mode):
-        assert _flag(spec.args, "--max-num-batched-tokens") == "80", case_id
+        budget = _flag(spec.args, "--max-num-batched-tokens")
+        assert budget == (None if partial else "80"), case_id
         unit = _flag(spec.args, "--prefix-match-unit")
-        partial = "-partial" in case_id
-        assert unit == ("16" if partial else None), case_id
+        assert unit == (str(chunk) if partial else None), case_id
+        assert _flag(spec.args, "--block-size") == (str(chunk) if partial else None)
+        ssm = _flag(spec.args, "--mamba-ssm-cache-dtype")
+        assert ssm == ("float32" if partial else None), case_id
+
+
+def test_the_chunk_is_the_kernels():
+    """The grid is the GDN kernel's own chunk, read from the vLLM under test."""
+    from vllm.third_party.flash_linear_attention.ops import utils
+
+    assert gpu.gdn_chunk() == utils.FLA_CHUNK_SIZE
 
 
 def test_the_geometry_unit_is_never_served_unresolved():
@@ -74,10 +87,11 @@ def test_binding_arguments(monkeypatch):
     monkeypatch.delenv(gpu.LOAD_FORMAT_ENV, raising=False)
     exact = gpu.gpu_binding(MODEL)
     assert exact.logprob_atol == 0.0 and exact.exact_on_blocks
+    assert exact.exact_across_instances
     loose = gpu.gpu_binding(MODEL, exact=False)
     assert loose.logprob_atol is None and not loose.exact_on_blocks
     assert "--load-format" not in exact.base_args
-    # No CUTLASS DSL here: the Triton GDN prefill.
+    # No FlashInfer or CUTLASS DSL here: the Triton GDN prefill.
     config = json.loads(_flag(list(exact.base_args), "--additional-config"))
     assert config == {"gdn_prefill_backend": "triton"}
     monkeypatch.setenv(gpu.LOAD_FORMAT_ENV, "dummy")
@@ -89,12 +103,15 @@ def test_serve_args_accepted_by_installed_vllm(tmp_path):
     from tests.models.hybrid_prefix_cache.scheduler import engine_args
 
     units = Units(block=80, hit=80)
-    binding = gpu.gpu_binding(write_tiny_hybrid(tmp_path, "mtp"))
+    exact = gpu.gpu_binding(write_tiny_hybrid(tmp_path, "mtp"))
     for case_id in gpu.MATRIX.cases:
-        deployment, mode = gpu.served(case_id, units)
+        binding, deployment, mode = gpu.served(case_id, units, exact)
         for spec in server_specs(binding, deployment, mode):
             args = engine_args(spec.model, spec.args)
-            assert args.max_num_batched_tokens == 80, case_id
+            if mode.prefix_match_unit is None:
+                assert args.max_num_batched_tokens == 80, case_id
+            else:
+                assert args.mamba_ssm_cache_dtype == "float32", case_id
 
 
 def test_matrix():

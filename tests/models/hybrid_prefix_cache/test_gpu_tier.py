@@ -79,6 +79,6 @@ def binding(model: TinyHybrid) -> Binding:
 def test_prefix_cache(
     hybrid_suite: Suite, binding: Binding, units: Units, case_id: str
 ) -> None:
-    deployment, mode = served(case_id, units)
+    binding, deployment, mode = served(case_id, units, binding)
     record = MATRIX.run(hybrid_suite, case_id, binding, deployment, mode)
     assert record.ok, record.explain()

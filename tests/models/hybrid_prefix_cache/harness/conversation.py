@@ -153,8 +153,8 @@ def send_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
         before = read_counters(servers[0])[EXTERNAL_HITS]
     turn.output = send(servers, model, prompt, salt, turn.problems)
     if play.binding.exact_on_blocks:
-        # a mid-block resume's rounding carries into the salt's later states
-        if turn.output.cached_tokens % play.units.block:
+        # an off-grid resume's rounding carries into the salt's later states
+        if turn.output.cached_tokens % (play.binding.exact_grid or play.units.block):
             play.off_block_salts.add(salt)
         turn.mid_block = salt in play.off_block_salts
     if play.deployment.offload and turn.output.cached_tokens > 0:

@@ -189,7 +189,8 @@ class Binding:
     """What a tier binds the harness to. ``logprob_atol``: a hit against a cold
     request on its numerical path (0.0 bit-exact; None: check_logprobs_close
     only); cross-path comparisons take measured noise (paths.check_paths).
-    ``exact_on_blocks``: only block-boundary hits share the recompute's path.
+    ``exact_on_blocks``: only hits on a multiple of ``exact_grid`` (None: the
+    block) share the recompute's path.
     ``exact_across_instances``: one config computes alike in two processes
     (CPUs; GPU kernels may autotune per process). ``batch_invariant_env``:
     computes each request as if alone (None: batched twins, measured noise)."""
@@ -204,6 +205,7 @@ class Binding:
     visible_devices_env: str | None = "CUDA_VISIBLE_DEVICES"
     concurrent_start: bool = True
     exact_on_blocks: bool = False
+    exact_grid: int | None = None
     exact_across_instances: bool = False
     batch_invariant_env: Mapping[str, str] | None = field(default=None, hash=False)
 

@@ -27,6 +27,7 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (
 )
 from tests.models.hybrid_prefix_cache.harness.reconcile import Ledger
 from tests.utils import RemoteOpenAIServer, _sanitize_pythonpath_env
+from vllm.platforms import current_platform
 from vllm.utils.network_utils import get_open_port
 
 try:
@@ -228,6 +229,19 @@ class Server(RemoteOpenAIServer):
         # Deferred: start_servers() waits, for one or several servers.
         self.health_url = url
 
+    def _get_gpu_memory_used(self) -> float | None:
+        # RemoteVLLMServer waits at exit for the whole device's memory to fall
+        # back to its level at start; servers of other sessions on the same
+        # GPU (dev/gpu/run_tier.sh lanes) fill it, so only this server's own
+        # processes count here (NVML's per-process list).
+        if not current_platform.is_cuda():
+            return None
+        try:
+            return float(sum(gpu_memory_by_pid().get(p, 0) for p in self.seen_pids))
+        except Exception as e:  # NVML missing or refused: the helper's own
+            print(f"[{self.spec.name}] no per-process GPU memory ({e})")
+            return super()._get_gpu_memory_used()
+
     def pids(self) -> list[int]:
         """Live processes of the server's group (kept in ``seen_pids``)."""
         pids = self._find_pgid_members(self.proc.pid)
@@ -260,6 +274,22 @@ class Server(RemoteOpenAIServer):
             f"command: {' '.join(self.command)}\n"
             f"last {LOG_TAIL_LINES} lines of {self.log_path}:\n{tail}"
         )
+
+
+def gpu_memory_by_pid() -> dict[int, int]:
+    """Device memory each process holds, over every visible GPU (NVML)."""
+    from vllm.third_party import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        held: dict[int, int] = {}
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                held[proc.pid] = held.get(proc.pid, 0) + (proc.usedGpuMemory or 0)
+        return held
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def _healthy(server: Server) -> bool:
