@@ -194,7 +194,8 @@ def pinned_in_conflict(log: str, pins: dict[str, str]) -> dict[str, dict[str, st
         for name, version in re.findall(r"([A-Za-z0-9][\w.-]*)==([\w.+!-]+)", line):
             name = canonicalize_name(name)
             if pins.get(name) == version.rstrip(".,"):
-                found[name] = {"pip": URL.sub("<index>", line)[:200]}
+                said = URL.sub("<index>", line).removeprefix("ERROR: ")
+                found[name] = {"pip": said[:200]}
     return found
 
 

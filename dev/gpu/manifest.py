@@ -174,7 +174,7 @@ def summary(manifest: dict) -> list[str]:
     ]
     for r in manifest.get("replaced", ()):
         by = ", ".join(
-            f"needs carried {spec}" if n == "needs" else f"{n} wants {spec}"
+            f"pip says: {spec}" if n == "pip" else f"{n} wants {spec}"
             for n, spec in r["because"].items()
         )
         lines.append(f"carried: {r['name']} {r['carried']} over {r['there']}; {by}")

@@ -5,8 +5,8 @@
 Every fault must end with a clear message (quoting the server's log where
 there is one) and with none of the processes the test started left alive:
 a server that exits during startup, one killed mid-turn, a startup that
-outlasts its timeout, an assertion failure inside a case, Ctrl-C of pytest,
-and a port already in use. No fault waits on a guess of how fast this
+outlasts its timeout, an assertion failure inside a case, Ctrl-C of pytest
+or its SIGTERM (Buildkite's cancel), and a port already in use. No fault waits on a guess of how fast this
 machine is: each is triggered by what the server is seen doing, or hangs by
 construction.
 """
@@ -228,8 +228,9 @@ def test_assertion_failure_in_a_case(binding):
 
 
 # The child pytest's module: it serves the model named in the environment,
-# writes the servers' pids into the file named there, and waits for Ctrl-C.
-WAIT_FOR_CTRL_C = """
+# writes the servers' pids into the file named there, and waits for a signal;
+# a second test marks that the session went on.
+WAIT_FOR_A_SIGNAL = """
     import os
     import time
     from pathlib import Path
@@ -240,29 +241,41 @@ WAIT_FOR_CTRL_C = """
     from tests.models.hybrid_prefix_cache.tiny_hybrid import TinyHybrid
 
 
-    def test_wait_for_ctrl_c():
+    def test_wait_for_a_signal():
         model = TinyHybrid(Path(os.environ["HYBRID_PC_CTRL_C_MODEL"]), 2, 3)
         with serve(cpu_binding(model), DEPLOYMENTS["plain"], Mode()) as servers:
             pids = sorted(pid for server in servers for pid in server.pids())
             pid_file = Path(os.environ["HYBRID_PC_CTRL_C_PID_FILE"])
             pid_file.write_text(" ".join(map(str, pids)))
             time.sleep(600)
+
+
+    def test_the_next_case():
+        Path(os.environ["HYBRID_PC_CTRL_C_PID_FILE"] + ".next").touch()
 """
 
 
-def test_ctrl_c_of_pytest(binding, pytester: pytest.Pytester, monkeypatch):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["INT", "TERM"])
+def test_a_signal_ends_the_session(
+    binding, pytester: pytest.Pytester, monkeypatch, signum
+):
+    """Ctrl-C, and Buildkite's cancel (SIGTERM), end the whole session: its
+    servers stop, nothing is left, and no later test starts (vLLM's
+    RemoteVLLMServer alone turns SIGTERM into the running test's failure)."""
     pid_file = pytester.path / "pids"
     monkeypatch.setenv("HYBRID_PC_CTRL_C_MODEL", binding.model)
     monkeypatch.setenv("HYBRID_PC_CTRL_C_PID_FILE", str(pid_file))
+    monkeypatch.setenv("HYBRID_PC_REPORT_DIR", str(pytester.path / "report"))
     # The child runs in pytester's folder; it imports the harness as
-    # tests.models... from the checkout this file is in.
+    # tests.models... from the checkout this file is in, and its plugin.
     checkout = Path(__file__).resolve().parents[3]
     monkeypatch.setenv("PYTHONPATH", str(checkout), prepend=os.pathsep)
-    child = pytester.makepyfile(test_child=WAIT_FOR_CTRL_C)
+    child = pytester.makepyfile(test_child=WAIT_FOR_A_SIGNAL)
     # Into a file, not a pipe: nothing reads the child's output (its servers'
     # logs) before it ends.
     output_file = pytester.path / "child-output.txt"
     command = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider"]
+    command += ["-p", "tests.models.hybrid_prefix_cache.harness.plugin"]
     with open(output_file, "w") as output:
         proc = pytester.popen(
             [*command, str(child)],
@@ -279,7 +292,8 @@ def test_ctrl_c_of_pytest(binding, pytester: pytest.Pytester, monkeypatch):
             assert time.monotonic() < deadline, "the child's server did not start"
             time.sleep(0.5)
         pids = [int(p) for p in pid_file.read_text().split()]
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
+        # A guard against a hang, not a measure: vLLM's own shutdown bounds it.
         proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
@@ -288,6 +302,9 @@ def test_ctrl_c_of_pytest(binding, pytester: pytest.Pytester, monkeypatch):
     lines = output_file.read_text().splitlines()
     assert proc.returncode != 0, "\n".join(lines[-60:])
     pytest.LineMatcher(lines).fnmatch_lines(["*! KeyboardInterrupt !*"])
+    assert not Path(f"{pid_file}.next").exists(), (
+        "the session went on to the next test:\n" + "\n".join(lines[-60:])
+    )
     assert_no_leftovers([], pids)
 
 

@@ -7,6 +7,8 @@ conftest.py: Kimi-K3's folder holds upstream GPU tests that need it.
 PYTEST_DONT_REWRITE: imported before pytest reads ``pytest_plugins``."""
 
 import json
+import signal
+import threading
 import time
 from collections.abc import Iterator
 
@@ -81,6 +83,10 @@ class SessionTimes:
         (folder / "session.json").write_text(json.dumps(data, indent=1))
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 class SuitePlugin(SessionTimes):
     """The fixture, collection order, summary and timer of one session."""
 
@@ -89,6 +95,15 @@ class SuitePlugin(SessionTimes):
     def __init__(self) -> None:
         super().__init__()
         self.suite: Suite | None = None
+
+    def pytest_sessionstart(self) -> None:
+        # Buildkite cancels a job with SIGTERM: it ends the session, as Ctrl-C
+        # does, and pytest's teardown stops the servers. vLLM's
+        # RemoteVLLMServer, which registers after this, stops its servers and
+        # then calls this handler, instead of raising SystemExit, which fails
+        # only the running test (tests/utils.py _handle_parent_signal).
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _interrupt)
 
     @pytest.fixture(scope="session")
     def hybrid_suite(self) -> Iterator[Suite]:
