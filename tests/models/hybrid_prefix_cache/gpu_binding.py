@@ -64,11 +64,11 @@ BASE_ARGS = (
 # _resolve_gdn_prefill_backend); without either package, Triton.
 TRITON_GDN = ("--additional-config", json.dumps({"gdn_prefill_backend": "triton"}))
 GDN_PREFILL_PACKAGES = ("flashinfer", "cutlass")
-# Partial mode's exact construction (findings/gpu-partial-mode-exact.md): the
+# Partial mode's exact construction (findings/restored-state-sensitivity.md): the
 # GDN kernel carries its state in float32 from one chunk to the next, so a hit
 # on that chunk grid, restored from a float32 cache, resumes where a fresh
 # prefill passes. vLLM raises --block-size to a multiple of itself that holds
-# the state (platforms/interface.py, HybridAttentionMambaModelConfig path).
+# the state (platforms/interface.py Platform._align_hybrid_block_size).
 FLOAT32_SSM = ("--mamba-ssm-cache-dtype", "float32")
 # unset: the written weights; dummy (a wrong state goes unseen) or
 # hybrid_seeded (seeded_load/, drawn in the server)
@@ -247,8 +247,8 @@ def gpu_binding(model: TinyHybrid, exact: bool = True) -> Binding:
         visible_devices_env=None,
         concurrent_start=True,
         exact_on_blocks=exact,
-        # one config in two processes on one GPU: the relay against the
-        # recompute, exactly (findings/gpu-tier-h100-0.34.md)
+        # one config in two processes on one GPU: the relay was exact at
+        # every turn on an H200 (findings/gpu-tier-0.34.md)
         exact_across_instances=exact,
     )
 
