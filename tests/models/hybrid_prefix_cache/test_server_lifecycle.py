@@ -6,9 +6,9 @@ Every fault must end with a clear message (quoting the server's log where
 there is one) and with none of the processes the test started left alive:
 a server that exits during startup, one killed mid-turn, a startup that
 outlasts its timeout, an assertion failure inside a case, Ctrl-C of pytest
-or its SIGTERM (Buildkite's cancel), and a port already in use. No fault waits on a guess of how fast this
-machine is: each is triggered by what the server is seen doing, or hangs by
-construction.
+or its SIGTERM (Buildkite's cancel), and a port already in use. No fault
+waits on a guess of how fast this machine is: each is triggered by what the
+server is seen doing, or hangs by construction.
 """
 
 import os
