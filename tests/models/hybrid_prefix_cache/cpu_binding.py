@@ -130,10 +130,10 @@ DEPLOYMENTS = {
 CORES = len(os.sched_getaffinity(0))
 # One OpenMP thread computes a request alike in any batch where vLLM's CPU
 # kernels are its AVX ones. With AMX tiles vLLM takes AMX kernels
-# (v1/attention/backends/cpu_attn.py _get_attn_isa, model_executor/layers/
-# utils.py check_cpu_sgl_kernel), and one thread left a batched hit 3e-4 from
-# its recompute alone on a Sapphire Rapids: there, batched hits keep their
-# twins' measured noise (findings/batch-noise-cpu.md).
+# (v1/attention/backends/cpu_attn.py _get_attn_isa,
+# model_executor/layers/utils.py check_cpu_sgl_kernel), and one thread left a
+# batched hit 3e-4 from its recompute alone on a Sapphire Rapids: there,
+# batched hits keep their twins' measured noise (findings/batch-noise-cpu.md).
 BATCH_INVARIANT_ENV = (
     None if torch.cpu._is_amx_tile_supported() else {"OMP_NUM_THREADS": "1"}
 )
