@@ -249,7 +249,7 @@ def resolve(
         )
 
     free = close("resolve-unpinned", {}, set())
-    res, error, why, carried = free, None, dict(free.replaced), set()
+    res, error, why, carried = free, None, {}, set()
     for turn in range(1, 6):
         why.update({n: by for n, by in res.replaced.items() if n not in why})
         why.update(needing(free, known, set(kept) | excluded, set(why), env))
@@ -267,7 +267,7 @@ def resolve(
                 break
             why.update(found)
             continue
-        res.replaced = {n: why.get(n) or by for n, by in res.replaced.items()}
+        # close() saw only what the machine still serves: add the carried
         res.replaced.update({n: why[n] for n in carried})
         res.note = "the machine's known versions pinned, less those carried"
     if error is not None:

@@ -247,8 +247,9 @@ def gpu_binding(model: TinyHybrid, exact: bool = True) -> Binding:
         visible_devices_env=None,
         concurrent_start=True,
         exact_on_blocks=exact,
-        # one config in two processes on one GPU: the relay was exact at
-        # every turn on an H200 (findings/gpu-tier-0.34.md)
+        # one config in two processes on one GPU: pd-block's relay was exact
+        # at every turn on an H200 with 0.26.0, one run; 0.34.0 is unmeasured
+        # (findings/gpu-tier-0.34.md)
         exact_across_instances=exact,
     )
 

@@ -192,7 +192,7 @@ class Binding:
     ``exact_on_blocks``: only hits on a multiple of ``exact_grid`` (None: the
     block) share the recompute's path.
     ``exact_across_instances``: one config computes alike in two processes
-    (CPUs; GPU kernels may autotune per process). ``batch_invariant_env``:
+    (the CPU and GPU tiers; not Kimi-K3's instances). ``batch_invariant_env``:
     computes each request as if alone (None: batched twins, measured noise)."""
 
     model: str
