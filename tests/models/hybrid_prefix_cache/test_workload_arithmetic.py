@@ -215,34 +215,45 @@ def test_budget_problems_where_chunk_ends_do_not_matter_are_exact():
     }
 
 
-def _preempted(chunks, hits, prefill_end=384) -> Preemption:
-    return Preemption(2, 1, 9, tuple(chunks), prefill_end, 128, hits, (0, 0))
+def _preempted(chunks, hits, prefill_end=512) -> Preemption:
+    return Preemption(2, 1, 137, tuple(chunks), prefill_end, 128, hits, (0, 0))
 
 
 def test_preemption_problems_hold_chunks_and_follow_ups():
-    """Block 128: 376-token prompts (8 short of a block), 24 outputs; the
-    follow-up's bound is what the request computed (399 tokens: 384)."""
+    """Block 128: 376-token prompts (8 short of a block), 144 outputs (a block
+    and two slacks), preempted at the block after them: its replay ends at
+    512, its last checkpoint. The follow-up's bound is what the request
+    computed (519 tokens: 512)."""
     units, mode, plain = harness.Units(128, 128), harness.Mode(), Deployment()
     shape = preemption.shape_of(units, plain)
-    assert shape.lengths == (376, 24)
+    assert shape.lengths == (376, 144) and shape.cut
 
     def problems(result):
         return preemption.problems_of(result, shape, mode, plain)
 
-    aligned = [(0, 128), (128, 256), (256, 384)]
-    assert problems(_preempted(aligned, (384, 0))) == []
-    # vLLM #33706: the resumed prefill split by the budget alone.
-    (split,) = problems(_preempted([(0, 191), (191, 384)], (256, 0)))
-    assert "ended at 191, inside block 1" in split
+    aligned = [(0, 128), (128, 256), (256, 384), (384, 512)]
+    assert _preempted(aligned, (512, 0)).output_cuts(376) == (384,)
+    assert problems(_preempted(aligned, (512, 0))) == []
+    # vLLM #33706: the budget's cut inside the outputs left where it fell.
+    split = problems(_preempted([*aligned[:2], (256, 447), (447, 512)], (512, 0)))
+    assert split == [
+        "a chunk of the resumed prefill ended at 447, inside block 3 (128 "
+        "tokens), short of the prefill's end 512"
+    ]
+    # Preempted at the prompt's last block: no cut inside the outputs.
+    (early,) = problems(_preempted(aligned[:3], (384, 0), prefill_end=384))
+    assert "ended inside its replayed outputs (376, 384)" in early
+    assert early.endswith("nothing tested vLLM #33706's trigger")
     assert "nothing tested" in problems(None)[0]
     assert "nothing tested" in problems(_preempted(aligned, (0, 0)))[0]
-    assert "beyond the bound 384" in problems(_preempted(aligned, (512, 0)))[0]
+    assert "beyond the bound 512" in problems(_preempted(aligned, (640, 0)))[0]
     assert "off the unit 128" in problems(_preempted(aligned, (320, 0)))[0]
 
 
 def test_preemption_shape_leaves_room_for_a_drafter():
     """The prompt ends SHORT_OF_BLOCK steps of a drafter's tokens, past its
-    lookahead slots, short of a block; DCP multiplies the block."""
+    lookahead slots, short of a block; DCP multiplies the block. The outputs
+    run a block further but with a drafter or under offload."""
 
     class Config:
         num_speculative_tokens, num_lookahead_tokens = 3, 3
@@ -250,48 +261,60 @@ def test_preemption_shape_leaves_room_for_a_drafter():
     units = harness.Units(128, 128)
     drafted = preemption.shape_of(units, Deployment(), Config())
     assert drafted.slack == 8 * 4 + 3
-    assert drafted.lengths == (384 - 35, 3 * 35)
+    assert drafted.lengths == (384 - 35, 3 * 35) and not drafted.cut
     dcp = preemption.shape_of(units, Deployment(decode=Instance(tp=2, dcp=2)))
-    assert dcp.prompt_len == 3 * 256 - 8
+    assert dcp.lengths == (3 * 256 - 8, 256 + 16)
+    offload = preemption.shape_of(units, Deployment(offload=True))
+    assert offload.lengths == (376, 24) and offload.restores
 
 
-def test_preemption_sizing_takes_the_first_resumed_in_chunks():
-    """Pools below 3 blocks are refused; where one request at a time runs,
-    more requests are not tried; a resume in one chunk is kept only until
-    one in several chunks shows, else the first whose follow-up hits."""
+def test_preemption_sizing_starts_one_block_short_of_the_peak():
+    """The pool one block short of the most the requests held at once where
+    none was preempted (two sizes a block, as a stated engine's layers),
+    then smaller ones while they preempt; more requests where none was
+    tested, vLLM refused the pool, or none preempted; else the first whose
+    follow-up hits."""
     played = []
 
-    def build(size: int) -> list:
-        if size < 3:
+    def build(size: int | None) -> list:
+        if size is None:
+            return ["free"]
+        if size < 12:
             raise ValueError(f"{POOL_REFUSALS[0]} ...")
-        return [size]
+        return [size // 2]
 
-    def sized(results):
+    one_chunk = _preempted([(256, 384)], (256, 0))
+    no_hit = _preempted(aligned := [(0, 128), (128, 256), (256, 512)], (0, 0))
+    chunks = _preempted(aligned, (384, 0))
+
+    def sized(results, peak=lambda requests: 2 + 4 * requests, running=8):
         played.clear()
 
         def play(servers, requests: int):
             played.append((servers[0], requests))
+            if servers[0] == "free":
+                return Unpreempted(min(requests, running), peak(requests))
             return results(servers[0], requests)
 
-        return sized_preemption(build, play)
+        return sized_preemption(
+            build, play, lambda r: r is chunks, blocks_of=lambda s: s[0]
+        )
 
-    one_chunk = _preempted([(256, 384)], (256, 0))
-    no_hit = _preempted([(256, 384)], (0, 0))
-    chunks = _preempted([(0, 128), (128, 384)], (384, 0))
+    def results(pool: int, requests: int):
+        if requests == 2:
+            return {9: no_hit, 8: one_chunk}.get(pool, Unpreempted(2))
+        return chunks if pool == 13 else Unpreempted(requests)
 
-    def results(size: int, requests: int):
-        if size == 3:
-            return Unpreempted(1)
-        if size == 4:
-            return no_hit if requests == 2 else one_chunk
-        return chunks if requests == 3 else Unpreempted(requests)
-
-    assert sized(results) == (5, [5], chunks)
-    assert played[:2] == [(3, 2), (4, 2)]
-    assert played[-2:] == [(5, 2), (5, 3)]
-    # Never in several chunks: the first whose follow-up hits.
-    assert sized(lambda size, n: no_hit if n == 2 else one_chunk)[:2] == (3, [3])
-    assert sized(lambda size, n: no_hit if n == 2 else one_chunk)[2] is one_chunk
+    assert sized(results) == (26, [13], chunks)
+    assert played == [("free", 2), (9, 2), (8, 2), (7, 2), ("free", 3), (13, 3)]
+    # Never tested: the first whose follow-up hits, after every count.
+    assert sized(lambda pool, n: no_hit if pool % 2 else one_chunk)[:2] == (16, [8])
+    assert ("free", 8) in played and played[-1] == (6, 8)
+    # A pool vLLM refuses, or fewer running at once: no more requests.
+    assert sized(results, peak=lambda requests: 6) == (0, (), None)
+    assert played == [("free", requests) for requests in range(2, 9)]
+    assert sized(results, running=2)[2] is one_chunk
+    assert played[-1] == ("free", 3)
 
 
 def test_every_workload_module_is_in_the_catalog():

@@ -1,9 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Requests preempted while they decode and resumed, in replayed servers:
-what vLLM's scheduler did with them (:func:`play_preemption`), and the
-smallest pool and fewest requests where it resumes one
-(:func:`sized_preemption`)."""
+what vLLM's scheduler did with them (:func:`play_preemption`), and the pool
+and fewest requests where it resumes one (:func:`sized_preemption`)."""
 
 import functools
 import random
@@ -16,9 +15,7 @@ from tests.models.hybrid_prefix_cache.scheduler.servers import ReplayServer
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 
-# Pools tried, up to this many times the smallest vLLM accepts, and the most
-# requests sent at once to each.
-MAX_POOL_GROWTH = 4
+# The most requests sent at once.
 MAX_REQUESTS = 8
 # How vLLM refuses a pool too small (v1/core/kv_cache_utils.py).
 POOL_REFUSALS = ("To serve at least one request", "No available memory for the cache")
@@ -27,8 +24,9 @@ POOL_REFUSALS = ("To serve at least one request", "No available memory for the c
 @dataclass(frozen=True)
 class Preemption:
     """What the replay saw: the preempted request's outputs when it was
-    preempted, its resumed prefill's chunks and end, and each follow-up's
-    hit and recompute hit (the resumed request's first)."""
+    first preempted while decoding, the chunks of its resumed prefills and
+    the first one's end, and each follow-up's hit and recompute hit (the
+    resumed request's first)."""
 
     requests: int
     resumed: int
@@ -39,21 +37,46 @@ class Preemption:
     hits: tuple[int, int]
     recompute_hits: tuple[int, int]
 
+    @property
+    def chunk_ends(self) -> tuple[int, ...]:
+        return tuple(end for _, end in self.chunks)
+
+    @property
+    def last_checkpoint(self) -> int:
+        """Where vLLM stops the resumed prefill whatever its split: the last
+        block boundary within it (Scheduler._mamba_block_aligned_split's
+        last_cache_position, get_mamba_prefill_checkpoint_position; with no
+        drafter block drop nor lookahead hashes)."""
+        return self.prefill_end // self.block * self.block
+
+    def output_cuts(self, prompt_len: int) -> tuple[int, ...]:
+        """The resumed prefill's chunk ends inside its replayed outputs, short
+        of its last checkpoint: where the budget cut it, vLLM #33706's
+        trigger (a split of the prompt alone leaves such an end off a
+        block)."""
+        last = self.last_checkpoint
+        return tuple(end for end in self.chunk_ends if prompt_len < end < last)
+
 
 @dataclass(frozen=True)
 class Unpreempted:
     """No decoding request was preempted; at most ``most_running`` requests
-    ran at once."""
+    ran at once, and the engine held at most ``peak_blocks`` blocks of its
+    pool at once (its null block included)."""
 
     most_running: int
+    peak_blocks: int = 0
 
 
 def _watch(log: list) -> Callable[[Scheduler, SchedulerOutput], None]:
-    """Log each step's running requests, preemptions and chunks as it is
-    scheduled."""
+    """Log each step's running requests and blocks held, preemptions and
+    chunks as it is scheduled: allocation happens in Scheduler.schedule, so
+    what it holds then is the step's peak."""
 
     def watch(scheduler: Scheduler, output: SchedulerOutput) -> None:
-        log.append(("running", len(scheduler.running)))
+        pool = scheduler.kv_cache_manager.block_pool
+        held = pool.num_gpu_blocks - pool.get_num_free_blocks()
+        log.append(("running", len(scheduler.running), held))
         for request_id in output.preempted_req_ids or ():
             request = scheduler.requests[request_id]
             log.append(("preempted", request_id, request.num_output_tokens, 0))
@@ -111,11 +134,16 @@ def play_preemption(
     loop.watchers.remove(watch)
     for completion in (*sent.values(), *pads):
         server.settle(completion, None)
-    resumed = [e for e in log if e[0] == "preempted" and e[2] > 0]
-    if not resumed:
-        return Unpreempted(max(e[1] for e in log if e[0] == "running"))
-    request_id = resumed[-1][1]
-    after = log[log.index(resumed[-1]) :]
+    decoding = [e for e in log if e[0] == "preempted" and e[2] > 0]
+    if not decoding:
+        running = [e for e in log if e[0] == "running"]
+        return Unpreempted(max(e[1] for e in running), max(e[2] for e in running))
+    # The last request preempted while decoding, from its first such
+    # preemption on: every resume's chunks wrote states, a second preemption
+    # mid-prefill included.
+    request_id = decoding[-1][1]
+    first = next(e for e in decoding if e[1] == request_id)
+    after = log[log.index(first) :]
     chunks = [(e[2], e[3]) for e in after if e[:2] == ("chunk", request_id)]
     prefill_end = next(e[4] for e in after if e[:2] == ("chunk", request_id)) - 1
     chunks = [(s, e) for s, e in chunks if s < prefill_end]
@@ -129,11 +157,10 @@ def play_preemption(
         hits.append(hit.cached_tokens or 0)
         recomputes.append(recompute.cached_tokens or 0)
     block = loop.scheduler.cache_config.block_size
-    outputs = resumed[-1][2]
     return Preemption(
         requests,
         index,
-        outputs,
+        first[2],
         tuple(chunks),
         prefill_end,
         block,
@@ -142,37 +169,102 @@ def play_preemption(
     )
 
 
+def pool_blocks(servers: Sequence[ReplayServer]) -> int:
+    """The first engine's pool, its null block included."""
+    return servers[0].scheduler.kv_cache_manager.block_pool.num_gpu_blocks
+
+
+class _Pools:
+    """Pools by the size ``build`` takes (a size need not count blocks: a
+    stated engine splits its bytes over a group's layers); None where vLLM
+    refuses the pool."""
+
+    def __init__(self, build: Callable, blocks_of: Callable) -> None:
+        self.build, self.blocks_of = build, blocks_of
+        self.blocks: dict[int, int | None] = {}
+        # Servers built to read a pool and not played yet.
+        self.fresh: dict[int, Sequence] = {}
+
+    def __call__(self, size: int) -> int | None:
+        if size not in self.blocks:
+            try:
+                servers = self.build(size)
+            except ValueError as e:
+                if not any(refusal in str(e) for refusal in POOL_REFUSALS):
+                    raise
+                self.blocks[size] = None
+            else:
+                self.blocks[size] = self.blocks_of(servers)
+                self.fresh[size] = servers
+        return self.blocks[size]
+
+    def servers(self, size: int) -> Sequence:
+        return self.fresh.pop(size, None) or self.build(size)
+
+    def size_of(self, blocks: int) -> int | None:
+        """The smallest size whose pool has ``blocks`` blocks, or None where
+        vLLM refuses that pool."""
+        size = blocks
+        while self(size) is None:
+            size *= 2
+            assert size < 2**20, f"vLLM refuses every pool up to {size}"
+        # Sizes scale pools: scale to the ratio, then step to the smallest.
+        size = -(-blocks * size // self(size))
+        while (got := self(size)) is not None and got > blocks:
+            size -= 1
+        while got is not None and got < blocks:
+            size += 1
+            got = self(size)
+        if got != blocks:
+            return None
+        while size > 1 and self(size - 1) == blocks:
+            size -= 1
+        return size
+
+
 def sized_preemption(
-    build: Callable[[int], Sequence[ReplayServer]],
+    build: Callable[[int | None], Sequence[ReplayServer]],
     play: Callable[[Sequence[ReplayServer], int], Preemption | Unpreempted],
+    tested: Callable[[Preemption], bool],
+    blocks_of: Callable[[Sequence[ReplayServer]], int] = pool_blocks,
 ) -> tuple[int, Sequence[ReplayServer], Preemption | None]:
-    """The smallest pool vLLM accepts (check_enough_kv_cache_memory), and the
-    fewest requests at once, where a decoding request is preempted, resumed
-    in more than one chunk, and its follow-up hits; else the first whose
-    follow-up hits, or the first that preempted one at all. Where fewer
-    requests ran at once than were sent and none was preempted, the pool
-    admits no more: the next is tried."""
+    """For the fewest requests at once (from 2), the largest pool where vLLM
+    preempts a decoding request and the result ``tested`` takes; else the
+    first whose follow-up hits, or the first that preempted one at all.
+
+    ``build(None)`` is a pool that never preempts: the run of ``requests``
+    there holds at most some number of blocks at once, its peak. A pool of
+    one block fewer runs alike until that step, whose allocation fails
+    (KVCacheManager.allocate_slots), so Scheduler.schedule preempts the
+    running request of the largest (priority, arrival): the last preemption,
+    after the most outputs. Smaller pools are tried one block at a time,
+    down to the first that preempts nothing after one did, or runs fewer at
+    once (a connector that holds blocks for its stores moves the peak).
+    Where the engine ran fewer at once than were sent even on the large
+    pool, more requests are not tried."""
     found: tuple[int, Sequence[ReplayServer], Preemption | None] = (0, (), None)
-    size, least = 0, None
-    while least is None or size < MAX_POOL_GROWTH * least:
-        size += 1
-        try:
-            build(size)
-        except ValueError as e:
-            if not any(refusal in str(e) for refusal in POOL_REFUSALS):
-                raise
-            continue
-        least = least or size
-        for requests in range(2, MAX_REQUESTS + 1):
-            servers = build(size)
+    pools = _Pools(build, blocks_of)
+    for requests in range(2, MAX_REQUESTS + 1):
+        free = play(build(None), requests)
+        assert isinstance(free, Unpreempted), (
+            f"{requests} requests were preempted on a pool that should hold "
+            f"them all: {free}"
+        )
+        if free.most_running < requests:
+            break
+        blocks, preempted = free.peak_blocks - 1, False
+        while (size := pools.size_of(blocks)) is not None:
+            servers = pools.servers(size)
             replayed = play(servers, requests)
             if isinstance(replayed, Unpreempted):
-                if replayed.most_running < requests:
+                if preempted or replayed.most_running < requests:
                     break
-                continue
-            if len(replayed.chunks) > 1 and replayed.hits[0]:
-                return size, servers, replayed
-            better = found[2] is None or replayed.hits[0] and not found[2].hits[0]
-            if better:
-                found = (size, servers, replayed)
+            else:
+                if tested(replayed):
+                    return size, servers, replayed
+                preempted = True
+                better = found[2] is None or replayed.hits[0] and not found[2].hits[0]
+                if better:
+                    found = (size, servers, replayed)
+            blocks -= 1
     return found

@@ -3,13 +3,16 @@
 """Preemption: requests decode in a pool too small for all, so vLLM
 preempts one and later resumes it, replaying its prompt and output as a
 prefill. Its chunks must end on block boundaries, where the worker writes
-the states their hashes name (vLLM #33706 split only new requests), so a
-request that shares its prompt and output hits the rule's checkpoint and
-matches its recompute. Request i is sent at priority i under vLLM's priority
-policy, so which one is preempted is the request's own property, not its
-arrival time (Scheduler.schedule preempts the running request of the largest
-(priority, arrival_time))."""
+the states their hashes name, so a request that shares its prompt and output
+hits the rule's checkpoint and matches its recompute. Before vLLM #33706 the
+split aligned the prompt's tokens only, which shows only where the budget
+cuts the replay inside the output tokens: so the outputs run a block past
+the prompt's, and the pool preempts the request after them. Request i is
+sent at priority i under vLLM's priority policy, so which one is preempted
+is the request's own property, not its arrival time (Scheduler.schedule
+preempts the running request of the largest (priority, arrival_time))."""
 
+import functools
 import random
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -67,17 +70,33 @@ PREEMPTIONS = "vllm:num_preemptions_total"
 @dataclass(frozen=True)
 class Shape:
     """Each request's prompt (three attention blocks, each ``dcp`` scheduler
-    blocks under DCP, less its slack) and output (three times that), a
-    budget of a block and a half (a replayed prefill takes several chunks),
-    and the model's length: a follow-up and its output. The slack is
-    SHORT_OF_BLOCK steps of up to ``1 + spec`` tokens each, past the
-    ``lookahead`` slots the scheduler allocates with every step (config/vllm.py
-    VllmConfig.num_speculative_tokens, num_lookahead_tokens)."""
+    blocks under DCP, less its slack) and output, a budget of a block and a
+    half (a replayed prefill takes several chunks), and the model's length:
+    a follow-up and its output. The slack is SHORT_OF_BLOCK steps of up to
+    ``1 + spec`` tokens each, past the ``lookahead`` slots the scheduler
+    allocates with every step (config/vllm.py
+    VllmConfig.num_speculative_tokens, num_lookahead_tokens). ``restores``:
+    a connector restores a preempted request's stored blocks (CPU offload).
+
+    Where :attr:`cut`, the outputs run a block past the prompt's last, so the
+    last request is preempted when it needs the block after them, and the
+    budget cuts its replayed prefill inside them (``Preemption.output_cuts``)."""
 
     units: Units
     dcp: int = 1
     spec: int = 0
     lookahead: int = 0
+    restores: bool = False
+
+    @property
+    def cut(self) -> bool:
+        """Not where the resume restores every stored block: it replays no
+        output before its last checkpoint. Nor with a drafter, whose slots
+        run ahead: preempted that many tokens short of the block after the
+        outputs, its last checkpoint is a block lower, and a pool that tight
+        recycles its replayed checkpoints before its follow-up (measured:
+        findings/preemption.md)."""
+        return not (self.restores or self.spec or self.lookahead)
 
     @property
     def slack(self) -> int:
@@ -89,7 +108,12 @@ class Shape:
 
     @property
     def max_tokens(self) -> int:
-        return 3 * self.slack
+        """Three slacks; where cut, a block and two: request i decodes three
+        steps (its prompt's chunks) after request i - 1, which then finishes
+        while the last one's replay runs (a block a step), so that replay
+        runs to its end at once. Preempted again mid-replay, it would replay
+        from its own cached blocks and file their states anew."""
+        return self.units.block * self.dcp * self.cut + (3 - self.cut) * self.slack
 
     @property
     def budget(self) -> int:
@@ -118,11 +142,11 @@ class Shape:
 def shape_of(units: Units, deployment: Deployment, config=None) -> Shape:
     """The shape for ``deployment``'s first instance, whose engine's
     ``config`` gives its drafter's tokens a step."""
-    dcp = max(deployment.instances[0].dcp, 1)
+    dcp, offload = max(deployment.instances[0].dcp, 1), deployment.offload
     if config is None:
-        return Shape(units, dcp)
+        return Shape(units, dcp, restores=offload)
     spec, lookahead = config.num_speculative_tokens, config.num_lookahead_tokens
-    return Shape(units, dcp, spec, lookahead)
+    return Shape(units, dcp, spec, lookahead, offload)
 
 
 def chunk_problems(
@@ -147,7 +171,13 @@ def _rule(shape: Shape, mode: Mode, deployment: Deployment) -> int:
     return hit_bound(stored - deployment.cache_backoff, length, shape.units.hit)
 
 
-def untested(result: Preemption | None) -> str:
+def tested(result: Preemption, shape: Shape) -> bool:
+    """What the sizing looks for: a resume in more than one chunk (one where
+    it restores every stored block) that leaves nothing untested."""
+    return (len(result.chunks) > 1 or shape.restores) and not untested(result, shape)
+
+
+def untested(result: Preemption | None, shape: Shape) -> str:
     """Why the sizing's result leaves nothing to test, or ""."""
     if result is None:
         return "no pool tried preempted a decoding request: nothing tested"
@@ -155,13 +185,19 @@ def untested(result: Preemption | None) -> str:
     # only its follow-up's hit is held.
     if not result.hits[0]:
         return "the resumed request's follow-up hit nothing: nothing tested"
+    if shape.cut and not result.output_cuts(shape.prompt_len):
+        return (
+            f"no chunk of the resumed prefill ended inside its replayed outputs "
+            f"({shape.prompt_len}, {result.last_checkpoint}) (chunk ends "
+            f"{list(result.chunk_ends)}): nothing tested vLLM #33706's trigger"
+        )
     return ""
 
 
 def problems_of(
     result: Preemption | None, shape: Shape, mode: Mode, deployment: Deployment
 ) -> list[str]:
-    missing = untested(result)
+    missing = untested(result, shape)
     if result is None or missing:
         return [missing]
     units = shape.units
@@ -177,15 +213,15 @@ def problems_of(
 
 
 def replay(cell: ReplayCell) -> None:
-    """The pool from one request's peak up to the first where a decoding
-    request is preempted; its resumed prefill's chunks, and the follow-ups
-    of both requests, held to the rule."""
+    """The pool where vLLM preempts a decoding request after its outputs
+    (:func:`sized_preemption`); its resumed prefill's chunks, and the
+    follow-ups of both requests, held to the rule."""
     for kda, alignment in cell.kda_checkpoints.items():
         engines = cell.engines(kda=alignment)
         units, _ = cell.servers_of(engines)
         shape = shape_of(units, cell.deployment, engines[0].vllm_config)
 
-        def build(blocks: int, alignment=alignment, shape=shape):
+        def build(blocks: int | None, alignment=alignment, shape=shape):
             setting = Setting(shape.budget, blocks, None, shape.max_len, "priority")
             return cell.servers_of(cell.engines(setting, alignment))[1]
 
@@ -193,7 +229,8 @@ def replay(cell: ReplayCell) -> None:
             seed, tokens = cell.cell_id, cell.token_ids
             return play_preemption(servers, *shape.lengths, requests, seed, tokens)
 
-        size, servers, result = sized_preemption(build, replayed)
+        wanted = functools.partial(tested, shape=shape)
+        size, servers, result = sized_preemption(build, replayed, wanted)
         problems = problems_of(result, shape, cell.mode, cell.deployment)
         if result is not None:
             problems += controls(max(result.recompute_hits), servers)
@@ -206,10 +243,9 @@ def replay(cell: ReplayCell) -> None:
                 cell.token_ids,
                 reverse=True,
             )
-            if isinstance(again, Unpreempted) or (again.resumed, again.hits) != (
-                result.resumed,
-                result.hits,
-            ):
+            if isinstance(again, Unpreempted):
+                problems.append(f"its pool preempted nothing sent last first: {again}")
+            elif (again.resumed, again.hits) != (result.resumed, result.hits):
                 problems.append(
                     f"sent last first, the replay preempted differently ({again}): "
                     f"which request vLLM resumes depends on arrival, not priority"
@@ -239,18 +275,19 @@ def plan(
     per_block = sizing.block_bytes
     shape = shape_of(units, deployment, sizing.vllm_config)
 
-    def build(blocks: int):
-        pool = shape.args(blocks * per_block)
+    def build(blocks: int | None):
+        pool = shape.args(None if blocks is None else blocks * per_block)
         return in_process.replay_servers(deployment, mode, pool)[1]
 
     def replayed(servers, requests: int):
         tokens = binding.token_ids
         return play_preemption(servers, *shape.lengths, requests, seed, tokens)
 
-    blocks, _, result = sized_preemption(build, replayed)
+    wanted = functools.partial(tested, shape=shape)
+    blocks, _, result = sized_preemption(build, replayed, wanted)
     # Only what leaves nothing to test stops the case: the real servers show
     # what a misplaced chunk does to the state.
-    missing = untested(result)
+    missing = untested(result, shape)
     assert result is not None and not missing, WORKLOAD.failure(missing)
     return PreemptionPlan(shape, shape.args(blocks * per_block), result)
 
@@ -285,6 +322,9 @@ def play(run: WorkloadRun) -> CaseRecord:
         planned = plan(run.needs_in_process(), binding, deployment, mode, run.case_id)
         shape, replayed = planned.shape, planned.replayed
         served = with_serve_args(deployment, planned.args)
+        # Where the replay cut the resumed prefill: the real servers' own
+        # chunks are not observable, only what they did to the state.
+        case.notices.append(f"{WORKLOAD.name}: {_described(planned)}")
         with serve_case(case, binding, served, mode, run.suite.pool) as p:
             server, rng = p.servers[0], random.Random(run.case_id)
             salts = [fresh_salt("preempted") for _ in range(replayed.requests)]
@@ -325,11 +365,13 @@ def play(run: WorkloadRun) -> CaseRecord:
 
 
 def _described(planned: PreemptionPlan) -> str:
-    replayed = planned.replayed
+    replayed, prompt_len = planned.replayed, planned.shape.prompt_len
     return (
         f"a pool of {' '.join(planned.args)}; the replay resumed request "
         f"{replayed.resumed} of {replayed.requests}, preempted after "
-        f"{replayed.preempted_at} outputs, in chunks {list(replayed.chunks)}"
+        f"{replayed.preempted_at} outputs, in chunks {list(replayed.chunks)}; "
+        f"ends inside its outputs ({prompt_len}, {replayed.last_checkpoint}): "
+        f"{list(replayed.output_cuts(prompt_len)) or 'none'}"
     )
 
 
