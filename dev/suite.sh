@@ -23,6 +23,10 @@
 #   dev/suite.sh reference RECORD.json
 #                           a case's hit and recompute logprobs against a
 #                           float32 forward (dev/float32_reference.py)
+#   dev/suite.sh sensitivity [--factors 0.9,0.99,0.999] [-k ROW]
+#                           the smallest restored-state error each row of
+#                           the CPU tier catches: plants at each size, then
+#                           a table (dev/sensitivity_table.py; not a test)
 #   dev/suite.sh compare    the CPU tier on the pinned vLLM (A), then on the
 #                           developer's (B, one of the options below), each
 #                           into its own report folder; then their turn
@@ -72,6 +76,7 @@ FOLLOWED_TESTS=(
     tests/models/hybrid_prefix_cache/test_harness.py
     tests/models/hybrid_prefix_cache/test_harness_counters.py
     tests/models/hybrid_prefix_cache/test_harness_known.py
+    tests/models/hybrid_prefix_cache/test_harness_restores.py
     tests/models/hybrid_prefix_cache/test_harness_rules.py
     tests/models/hybrid_prefix_cache/test_workload_arithmetic.py
     tests/models/kimi_k3/test_prefix_cache_matrix.py
@@ -91,7 +96,7 @@ die() {
 
 job=${1:-}
 case "$job" in
-    cpu-tier | all | scheduler | benchmark | reference | compare) shift ;;
+    cpu-tier | all | scheduler | benchmark | reference | compare | sensitivity) shift ;;
     follow)
         [ $# -ge 2 ] || die "usage: dev/suite.sh follow VERSION [args...]"
         follow_version=$2
@@ -100,7 +105,7 @@ case "$job" in
         shift 2
         ;;
     *) die "usage: dev/suite.sh cpu-tier|all|scheduler|follow VERSION|benchmark|" \
-        "reference|compare [--vllm-source PATH | --vllm-patch FILE |" \
+        "reference|compare|sensitivity [--vllm-source PATH | --vllm-patch FILE |" \
         "--vllm-env VENV] [args...]" ;;
 esac
 
@@ -127,6 +132,8 @@ while [ $# -gt 0 ]; do
 done
 [ "$job" != follow ] || [ ${#under_test[@]} -eq 0 ] ||
     die "follow runs the release it fetches; give no --vllm-source, patch or env"
+[ "$job" != sensitivity ] || [ ${#under_test[@]} -eq 0 ] ||
+    die "sensitivity plants the pinned release; give no --vllm-source, patch or env"
 [ "$job" != compare ] || [ ${#under_test[@]} -gt 0 ] ||
     die "compare needs the vLLM to compare with: --vllm-source PATH," \
         "--vllm-patch FILE or --vllm-env VENV"
@@ -222,6 +229,8 @@ runs=1
 [ "$job" = all ] && runs=2
 [ "$job" = scheduler ] && runs=0
 [ "$job" = follow ] && runs=0
+# Its runs are cpu-tier jobs, each of which installs them.
+[ "$job" = sensitivity ] && runs=0
 for run in $(seq "$runs"); do
     echo "suite: install-kv-connectors.sh, run $run"
     bash "$CHECKOUT/.buildkite/scripts/install-kv-connectors.sh"
@@ -255,6 +264,13 @@ if [ "$job" = compare ]; then
         --label-a "$pinned_label" --label-b "$under_test_label" "$reports/A" "$reports/B"
 fi
 
+if [ "$job" = sensitivity ]; then
+    # Each plant's run is a cpu-tier job of its own, with --vllm-patch.
+    cd "$CALLER_DIR"
+    exec "$VENV/bin/python" -P "$REPO/dev/sensitivity_table.py" \
+        --sdist "$(dirname "$CHECKOUT")/$(basename "$CHECKOUT").tar.gz" \
+        --suite "$REPO/dev/suite.sh" "$@"
+fi
 if [ "$job" = benchmark ] || [ "$job" = reference ]; then
     script=benchmark_cpu_tier.py
     [ "$job" = benchmark ] || script=float32_reference.py

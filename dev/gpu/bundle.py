@@ -355,6 +355,16 @@ def build(args: argparse.Namespace, cfg: dict) -> dict:
     return manifest
 
 
+def excluded_for(entries: dict, version: str) -> dict[str, str]:
+    """The ``[excluded]`` entries that hold for ``version``: name -> reason. An
+    entry is its reason, or a table of ``reason`` and ``releases``."""
+    return {
+        name: entry if isinstance(entry, str) else entry["reason"]
+        for name, entry in entries.items()
+        if isinstance(entry, str) or applies(entry, version)
+    }
+
+
 def applies(rule: dict, version: str) -> bool:
     """A trim rule's ``releases`` (a specifier, default all) holds ``version``."""
     return satisfies(version, rule.get("releases", ""))
@@ -397,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "build":
             cfg = tomllib.loads(Path(args.config).read_text())
             cfg["vllm"] = args.vllm or cfg["vllm"]
+            cfg["excluded"] = excluded_for(cfg["excluded"], cfg["vllm"])
             args.part_mib = args.part_mib or cfg["part_mib"]
             version = cfg["machine"]["python"]
             args.python = args.python or find_python(version)

@@ -100,6 +100,19 @@ else
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --disable-pip-version-check --target "$target.partial" "$work"/wheels/*.whl ||
         die "pip install into $target.partial failed"
+    # PYTHONPATH folders are not site folders, so Python runs no .pth file
+    # there (the CuTe DSL's puts its packages on sys.path): this does, as
+    # site.addsitedir would for a site folder. It must be the only one.
+    if compgen -G "$target.partial/*.pth" >/dev/null; then
+        other=$("$PYTHON" -c 'import sitecustomize as s; print(s.__file__)' 2>/dev/null) &&
+            die "the machine has its own $other, which a sitecustomize here would hide"
+        cat >"$target.partial/sitecustomize.py" <<'PY'
+import os
+import site
+
+site.addsitedir(os.path.dirname(os.path.abspath(__file__)))
+PY
+    fi
     echo "$stamp" >"$target.partial/.gpu-bundle"
     rm -rf "$target"
     mv "$target.partial" "$target"

@@ -76,6 +76,7 @@ def fake_index(dest: Path) -> Path:
             "hub>=2",  # present 1.0 refused; the present tf 1.0 needs hub<2
             "tf",  # so pip cannot keep tf 1.0 and says so: tf 1.1 travels
             "cfg>=1",  # present 1.0 satisfies: stays
+            "dsl",  # excluded for older releases only: travels, with its .pth
         ],
         vllm_files,
     )
@@ -106,6 +107,15 @@ def fake_index(dest: Path) -> Path:
         ("nixl-cu12", "1.0.0", ["torch"]),
     ]:
         make_wheel(dest, name, version, requires)
+    # Its .pth puts a folder of its own on sys.path, as the CuTe DSL's does.
+    pth = b"import os, sys, dsl; sys.path.insert(0, os.path.join(dsl.__path__[0], 'p'))"
+    make_wheel(
+        dest,
+        "dsl",
+        "1.0",
+        [],
+        {"dsl/__init__.py": b"", "dsl/p/dsl_mod/__init__.py": b"", "dsl.pth": pth},
+    )
     make_wheel(
         dest,
         "nixl-cu13",
@@ -141,6 +151,7 @@ def fake_config(path: Path, real: dict) -> Path:
         'heavy-opt = "heavy and optional, in the test"',
         'gone-opt = "pinned to a release the index lacks, in the test"',
         'nixl-cu12 = "the other CUDA build"',
+        'dsl = { releases = "<0.1", reason = "not needed before, in the test" }',
     ]
     for rule in real["trim"]:
         lines += [

@@ -135,6 +135,7 @@ def test_every_requirement_bundled_present_or_optional(world):
         "numpy": "2.3.0",  # vLLM refuses the 2.5.2 there
         "hub": "2.0",  # vLLM refuses the 1.0 there
         "tf": "1.1",  # pip: the 1.0 there wants hub<2
+        "dsl": "1.0",  # excluded for older releases only
         "nixl": "1.0.0",
         "nixl-cu13": "1.0.0",
     }
@@ -187,6 +188,19 @@ def test_trim_rules_follow_the_release(world):
     assert older and not patterns & {r["pattern"] for r in older}
     with zipfile.ZipFile(world["wheels"] / m["vllm_wheel"]["file"]) as zf:
         assert OTHER_RELEASE_SO in zf.namelist()
+
+
+def test_exclusions_follow_the_release(world):
+    """An exclusion with releases holds for those only: the fake dsl, excluded
+    before 0.1, travels; the real CuTe DSL travels from 0.34 on."""
+    assert "dsl" in {w["name"] for w in world["manifest"]["wheels"]}
+    assert "dsl" not in by_name(world["manifest"], "excluded")
+    dsl = "nvidia-cutlass-dsl"
+    assert dsl in bundle.excluded_for(REAL["excluded"], "0.26.0")
+    assert dsl not in bundle.excluded_for(REAL["excluded"], "0.34.0")
+    assert "nvidia-cutlass-dsl-libs-cu12" in bundle.excluded_for(
+        REAL["excluded"], "0.34.0"
+    )
 
 
 def test_checksums_and_sizes_match_the_files(world):
@@ -250,6 +264,11 @@ def test_stash_then_install(world, tmp_path):
     assert "nixl imports" in done.stdout
     assert (site / "vllm" / "__init__.py").exists()
     assert not (site / "vllm" / "vllm-rs").exists()
+    # Python runs no .pth file of a PYTHONPATH folder: install.sh's
+    # sitecustomize.py does, so the folder it names imports.
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    imported = [sys.executable, "-c", "import dsl_mod"]
+    assert subprocess.run(imported, env=env).returncode == 0
     again = run("install.sh", "--target", site, gather)
     assert again.returncode == 0, again.stderr
     assert "reusing it" in again.stdout

@@ -64,6 +64,9 @@ BASE_ARGS = (
 # _resolve_gdn_prefill_backend); without either package, Triton.
 TRITON_GDN = ("--additional-config", json.dumps({"gdn_prefill_backend": "triton"}))
 GDN_PREFILL_PACKAGES = ("flashinfer", "cutlass")
+# 0.34's sampler imports FlashInfer unless told not to; it assumes the package
+# (v1/sample/ops/topk_topp_sampler.py flashinfer_sampler_supported).
+NO_FLASHINFER_SAMPLER = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
 # Partial mode's exact construction (findings/restored-state-sensitivity.md): the
 # GDN kernel carries its state in float32 from one chunk to the next, so a hit
 # on that chunk grid, restored from a float32 cache, resumes where a fresh
@@ -156,6 +159,21 @@ _DECODER_OWN_TOKEN = Known(
     geometry=(80, 80),
     in_record=True,
 )
+
+
+def _decoder_own_token(geometry: tuple[int, int], restored: int) -> Known:
+    """The same symptom at ``geometry``, whose turn 1 restores ``restored``
+    (0.34.0 on an H100: findings/gpu-tier-0.34.md)."""
+    return replace(
+        _DECODER_OWN_TOKEN,
+        evidence=(
+            f"exact turn 1: the hit, {restored} tokens restored from the prefix "
+            f"cache, differs from its cold twin on the same path"
+        ),
+        geometry=geometry,
+    )
+
+
 _DRAFTER_CHECKPOINT_MISSING = Known(
     "xfail",
     "partial mode with an MTP drafter: the drafter's lookup drops a unit "
@@ -188,7 +206,12 @@ KNOWN: dict = {
     "pd-offload-partial": (_HOST_FULL_BLOCKS,),
     "pd-block-pd-resend": (_PD_RESEND_DIES,),
     "pd-partial-pd-resend": (_PD_RESEND_DIES,),
-    "pd-block-aligned": (_DECODER_OWN_TOKEN,),
+    "pd-block-aligned": (_DECODER_OWN_TOKEN, _decoder_own_token((128, 128), 256)),
+    # Partial mode is now exact, and the P/D drafter's cells pass from 0.32,
+    # so these aligned workloads run and show the same symptom.
+    "pd-partial-aligned": (_decoder_own_token((192, 64), 512),),
+    "pd-block-mtp-aligned": (_decoder_own_token((128, 128), 256),),
+    "pd-partial-mtp-aligned": (_decoder_own_token((192, 64), 512),),
     **{
         f"{d}-{m}": (_PD_SPEC_BLOCKS,)
         for d in ("pd", "pd-offload")
@@ -232,6 +255,8 @@ def gpu_binding(model: TinyHybrid, exact: bool = True) -> Binding:
     if any(importlib.util.find_spec(p) is None for p in GDN_PREFILL_PACKAGES):
         args += TRITON_GDN
     env = {"HF_HUB_OFFLINE": "1"}
+    if importlib.util.find_spec("flashinfer") is None:
+        env.update(NO_FLASHINFER_SAMPLER)
     load_format = os.environ.get(LOAD_FORMAT_ENV)
     if load_format:
         args += ["--load-format", load_format]
@@ -247,9 +272,9 @@ def gpu_binding(model: TinyHybrid, exact: bool = True) -> Binding:
         visible_devices_env=None,
         concurrent_start=True,
         exact_on_blocks=exact,
-        # one config in two processes on one GPU: pd-block's relay was exact
-        # at every turn on an H200 with 0.26.0, one run; 0.34.0 is unmeasured
-        # (findings/gpu-tier-0.34.md)
+        # one config in two processes on one GPU: the P/D relay was exact at
+        # every turn on an H200 with 0.26.0 and on an H100 with 0.34.0, one
+        # run each, and a 1% plant on it failed (findings/gpu-tier-0.34.md)
         exact_across_instances=exact,
     )
 

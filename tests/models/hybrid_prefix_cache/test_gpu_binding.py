@@ -94,6 +94,8 @@ def test_binding_arguments(monkeypatch):
     # No FlashInfer or CUTLASS DSL here: the Triton GDN prefill.
     config = json.loads(_flag(list(exact.base_args), "--additional-config"))
     assert config == {"gdn_prefill_backend": "triton"}
+    # and no FlashInfer sampler, which 0.34 would import
+    assert exact.env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
     monkeypatch.setenv(gpu.LOAD_FORMAT_ENV, "dummy")
     assert _flag(list(gpu.gpu_binding(MODEL).base_args), "--load-format") == "dummy"
 

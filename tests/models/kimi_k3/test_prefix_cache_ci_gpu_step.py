@@ -82,10 +82,11 @@ def test_gpu_step_runs_the_whole_gpu_tier():
     assert [n for n in nodes if "::test_default_budget[" in n], nodes
 
 
-# A server start and the first one's with a cold Triton cache, as
-# dev/gpu/README.md records them on an H200; a test's requests on a P/D pair
-# and on one server. models_basic.yaml states the arithmetic.
-GPU_START, GPU_COLD_START, GPU_PD_TEST, GPU_ONE_SERVER_TEST = 50, 135, 35, 15
+# The longest of each in the tier's run on vLLM 0.34.0 on an H100, five lanes
+# side by side (findings/gpu-tier-0.34.md): a server start, the first one's
+# (a cold Triton cache), a test's requests on a P/D pair and on one server.
+# models_basic.yaml states the arithmetic.
+GPU_START, GPU_COLD_START, GPU_PD_TEST, GPU_ONE_SERVER_TEST = 53, 70, 13, 8
 
 
 def test_gpu_step_timeout_covers_the_tier():
