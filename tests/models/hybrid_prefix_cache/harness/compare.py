@@ -98,9 +98,6 @@ class Turn:
     batched: bool = False
     # batched on a batch-invariant server: on its recompute's path
     invariant: bool = False
-    # batched at the servers' own threads: only its prefill step (its first
-    # sampled logprob) is held to its recompute alone (harness/restores.py)
-    prefill_step: bool = False
     # resumed (or its salt did) inside a block, where only block ends are
     # exact (Binding.exact_on_blocks): held to measured noise
     mid_block: bool = False

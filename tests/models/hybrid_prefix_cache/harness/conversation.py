@@ -8,7 +8,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from tests.models.hybrid_prefix_cache.harness.client import (
     complete,
@@ -31,7 +31,6 @@ from tests.models.hybrid_prefix_cache.harness.paths import (
     control_shifts,
 )
 from tests.models.hybrid_prefix_cache.harness.reconcile import EXTERNAL_HITS
-from tests.models.hybrid_prefix_cache.harness.restores import check_prefill_steps
 from tests.models.hybrid_prefix_cache.harness.rules import (
     FIRST_PROMPT_BLOCKS,
     FIRST_PROMPT_TAIL,
@@ -107,9 +106,7 @@ def grown_prompt(
 class Play:
     """What a case needs to play turns: where, what, and how to check.
     ``batched`` turns are held to their recompute alone where the server is
-    batch-invariant, else to batched twins within ``noise``; with
-    ``prefill_step`` (the servers' own threads), the first turn is played alone
-    and later hits are held on their prefill step (harness/restores.py)."""
+    batch-invariant, else to batched twins within ``noise``."""
 
     servers: Sequence[Server]
     binding: Binding
@@ -118,7 +115,6 @@ class Play:
     units: Units
     logprob_atol: float | None
     batched: bool = False
-    prefill_step: bool = False
     noise: PathNoise | None = None
     # salts that resumed inside a block (Turn.mid_block)
     off_block_salts: set[str] = field(default_factory=set)
@@ -131,8 +127,7 @@ class Play:
     @property
     def invariant(self) -> bool:
         """Batched on servers that compute each request as alone."""
-        invariant_env = self.binding.batch_invariant_env is not None
-        return self.batched and not self.prefill_step and invariant_env
+        return self.batched and self.binding.batch_invariant_env is not None
 
     @property
     def recompute_atol(self) -> float | None:
@@ -151,7 +146,6 @@ def send_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
     (P/D, or a batch), unless the recompute is already its same-path control."""
     turn.prompt, turn.salt = list(prompt), salt
     turn.batched, turn.invariant = play.batched, play.invariant
-    turn.prefill_step = play.batched and play.prefill_step
     start = time.monotonic()
     servers, model = play.servers, play.binding.model
     if play.deployment.offload:
@@ -235,8 +229,9 @@ def measure_path_noise(play: Play, turns: Sequence[Turn]) -> None:
 def finish_turns(play: Play, turns: Sequence[Turn]) -> None:
     """Measure the case's path noise, then hold cross-path comparisons to it."""
     measure_path_noise(play, turns)
-    check = check_prefill_steps if play.prefill_step else check_paths
-    play.noise = check(turns, play.logprob_atol, play.deployment.compares_logprobs)
+    play.noise = check_paths(
+        turns, play.logprob_atol, play.deployment.compares_logprobs
+    )
 
 
 def planned_turn(play: Play, label: str, planned: PlannedTurn) -> Turn:
@@ -263,11 +258,7 @@ def play_waves(
 ) -> Iterator[int]:
     """Play ``conversations``, each under its own salt, turn by turn into
     ``turns``, yielding after each wave (its index): the caller may stop
-    there. Batched, each wave is in flight at once, recomputes after; a first
-    wave that restores nothing goes one by one where only prefill steps are
-    held (``Play.prefill_step``): a cold prompt one token past a block parts
-    from itself alone in its prefill step when batched, which would widen the
-    restores' tolerance (findings/batch-noise-cpu.md)."""
+    there. Batched, each wave is in flight at once, recomputes after."""
     states = []
     for conv in conversations:
         rng = random.Random(conv.seed)
@@ -285,16 +276,14 @@ def play_waves(
                 raise AssertionError(f"{turn.name}: the plan and the prompt part")
             turns.append(turn)
             batch.append((turn, prompt, salt))
-        alone = play.prefill_step and index == 0
-        wave = replace(play, batched=False) if alone else play
-        if wave.batched:
+        if play.batched:
             with phase("requests"), ThreadPoolExecutor(len(batch)) as pool:
-                list(pool.map(lambda args, p=wave: send_turn(p, *args), batch))
+                list(pool.map(lambda args: send_turn(play, *args), batch))
             for turn, _, _ in batch:
-                recompute_turn(wave, turn)
+                recompute_turn(play, turn)
         else:
             for args in batch:
-                play_turn(wave, *args)
+                play_turn(play, *args)
         yield index
         for i, ((conv, rng, salt, prompt, plan), (turn, _, _)) in enumerate(
             zip(states, batch)

@@ -27,7 +27,6 @@ class PathNoise:
     floor: float
     pairs: int
     margin: float = PATH_NOISE_MARGIN
-    over: str = "cold control pairs of this case"
 
     @property
     def tolerance(self) -> float:
@@ -39,8 +38,8 @@ class PathNoise:
 
     def __str__(self) -> str:
         return (
-            f"path noise {self.floor:.3g} (largest gap over {self.pairs} "
-            f"{self.over}) x margin {self.margin:g} = tolerance "
+            f"path noise {self.floor:.3g} (largest gap over {self.pairs} cold "
+            f"control pairs of this case) x margin {self.margin:g} = tolerance "
             f"{self.tolerance:.3g}"
         )
 
@@ -53,8 +52,7 @@ def cold_pairs(turn: Turn) -> list[tuple[Sample, Sample]]:
     if rec is None:
         return []
     if turn.batched:
-        # a prefill step's twins are restores.check_prefill_steps' controls
-        if turn.invariant or turn.prefill_step:
+        if turn.invariant:
             return []
         pairs = [] if turn.twin is None else [(turn.twin, rec)]
         if turn.output is not None and turn.restored == 0:
@@ -114,8 +112,6 @@ def check_paths(
     for turn in turns:
         if turn.recompute is None:
             continue  # a resend's cold first request
-        if turn.prefill_step:
-            continue  # restores.check_prefill_steps
         if turn.batched and turn.output is not None and turn.twin is not None:
             names = ("hit", "batched cold twin")
             why = compare(turn, turn.output, turn.twin, names, tolerance, False)
