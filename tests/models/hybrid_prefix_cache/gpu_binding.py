@@ -252,10 +252,11 @@ def gpu_binding(model: TinyHybrid, exact: bool = True) -> Binding:
     """Exact on a hit's own path where ``exact`` (budget from :func:`served`),
     else check_logprobs_close alone."""
     args = list(BASE_ARGS)
-    if any(importlib.util.find_spec(p) is None for p in GDN_PREFILL_PACKAGES):
+    missing = {p for p in GDN_PREFILL_PACKAGES if importlib.util.find_spec(p) is None}
+    if missing:
         args += TRITON_GDN
     env = {"HF_HUB_OFFLINE": "1"}
-    if importlib.util.find_spec("flashinfer") is None:
+    if "flashinfer" in missing:
         env.update(NO_FLASHINFER_SAMPLER)
     load_format = os.environ.get(LOAD_FORMAT_ENV)
     if load_format:
