@@ -23,6 +23,9 @@
 #   dev/suite.sh reference RECORD.json
 #                           a case's hit and recompute logprobs against a
 #                           float32 forward (dev/float32_reference.py)
+#   dev/suite.sh reproduce RECORD.json...
+#                           a failing case's reproducer, <case_id>.repro.py
+#                           beside its record (tests/.../reproducer.py)
 #   dev/suite.sh sensitivity [--factors 0.9,0.99,0.999] [-k ROW]
 #                           the smallest restored-state error each row of
 #                           the CPU tier catches: plants at each size, then
@@ -95,7 +98,7 @@ die() {
 
 job=${1:-}
 case "$job" in
-    cpu-tier | all | scheduler | benchmark | reference | compare | sensitivity) shift ;;
+    cpu-tier | all | scheduler | benchmark | reference | reproduce | compare | sensitivity) shift ;;
     follow)
         [ $# -ge 2 ] || die "usage: dev/suite.sh follow VERSION [args...]"
         follow_version=$2
@@ -104,7 +107,7 @@ case "$job" in
         shift 2
         ;;
     *) die "usage: dev/suite.sh cpu-tier|all|scheduler|follow VERSION|benchmark|" \
-        "reference|compare|sensitivity [--vllm-source PATH | --vllm-patch FILE |" \
+        "reference|reproduce|compare|sensitivity [--vllm-source PATH | --vllm-patch FILE |" \
         "--vllm-env VENV] [args...]" ;;
 esac
 
@@ -230,6 +233,7 @@ runs=1
 [ "$job" = follow ] && runs=0
 # Its runs are cpu-tier jobs, each of which installs them.
 [ "$job" = sensitivity ] && runs=0
+[ "$job" = reproduce ] && runs=0
 for run in $(seq "$runs"); do
     echo "suite: install-kv-connectors.sh, run $run"
     bash "$CHECKOUT/.buildkite/scripts/install-kv-connectors.sh"
@@ -269,6 +273,15 @@ if [ "$job" = sensitivity ]; then
     exec "$VENV/bin/python" -P "$REPO/dev/sensitivity_table.py" \
         --sdist "$(dirname "$CHECKOUT")/$(basename "$CHECKOUT").tar.gz" \
         --suite "$REPO/dev/suite.sh" "$@"
+fi
+if [ "$job" = reproduce ]; then
+    # From the checkout, as the suite ran: the script names it and its Python.
+    records=()
+    for record in "$@"; do
+        records+=("$(cd "$CALLER_DIR" && realpath "$record")")
+    done
+    cd "$CHECKOUT"
+    exec python -m tests.models.hybrid_prefix_cache.reproducer "${records[@]}"
 fi
 if [ "$job" = benchmark ] || [ "$job" = reference ]; then
     script=benchmark_cpu_tier.py

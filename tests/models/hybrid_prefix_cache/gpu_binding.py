@@ -243,7 +243,7 @@ MATRIX = Matrix(
     KNOWN,
     workloads=WORKLOADS,
     workload_turns={"aligned": 2},
-    # Not catalog(): the other workloads' replays need a newer vLLM.
+    # Not catalog(): the others size their servers through the scheduler tier.
     catalog={w.name: w for w in (aligned.WORKLOAD, pd_resend.WORKLOAD)},
 )
 

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.models.hybrid_prefix_cache import cpu_known, harness, scheduler
-from tests.models.hybrid_prefix_cache.harness.workload import Workload
-from tests.models.hybrid_prefix_cache.scheduler.cell import ReplayCell, Setting
+from tests.models.hybrid_prefix_cache.scheduler.cell import Replay, ReplayCell, Setting
 from tests.models.hybrid_prefix_cache.tiny_hybrid import TinyHybrid
 from tests.models.kimi_k3 import prefix_cache_binding as kimi
 
@@ -157,15 +156,13 @@ def _cells() -> dict[str, tuple[str, str, str]]:
 CELLS = _cells()
 
 
-def cell_params(workload: Workload) -> list:
-    """One pytest param per cell of both matrices that ``workload`` applies
+def cell_params(replay: Replay) -> list:
+    """One pytest param per cell of both matrices that ``replay`` applies
     to."""
     params = []
     for cell_id, (tier, name, mode) in CELLS.items():
         matrix = kimi.MATRIX if tier == "kimi" else cpu_known.MATRIX
-        if tier not in workload.tiers:
-            continue
-        if workload.applies(matrix.deployments[name], matrix.modes[mode]):
+        if replay.applies(matrix.deployments[name], matrix.modes[mode]):
             params.append(pytest.param(cell_id, id=cell_id))
     return params
 

@@ -216,8 +216,13 @@ def test_a_crash_shows_its_evidence(case_id, entry, how, tmp_path):
     )
     with pytest.raises(outcome):
         _crash(case_id, entry, f"Traceback ... {entry.evidence} ...", tmp_path, how)
-    with pytest.raises(AssertionError, match="update the table"):
+    with pytest.raises(AssertionError, match="update the table") as stale:
         _crash(case_id, entry, "Traceback ... another error ...", tmp_path, how)
+    # One screen: the log and the record named by path, not pasted.
+    message = str(stale.value)
+    assert "INFO starting" not in message
+    assert f"server logs: {tmp_path / f'{how}.log'}" in message
+    assert f"record: {tmp_path / f'{case_id}.json'}" in message
 
 
 @pytest.mark.parametrize(("case_id", "entry"), _entries("record"))

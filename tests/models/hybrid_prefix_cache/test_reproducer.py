@@ -4,7 +4,7 @@
 record compiles, names what it needs, and, run against a stub HTTP server
 (a stand-in for the plumbing only: it proves nothing of vLLM), sends the
 recorded prompts in the recorded order and judges the answers as the suite
-does. And the harness writes it next to a failing case's record."""
+does. And its command writes it next to a failing case's record."""
 
 import json
 import subprocess
@@ -15,8 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.models.hybrid_prefix_cache import harness, tiny_hybrid
-from tests.models.hybrid_prefix_cache.harness import reproducer
+from tests.models.hybrid_prefix_cache import harness, reproducer, tiny_hybrid
 
 UNIT = 16
 PREFILL_PARAMS = {"do_remote_decode": True, "remote_host": None}
@@ -344,7 +343,9 @@ def test_serve_info():
         # recompute on the decoder alone are held to.
         recompute_atol=7.9e-3,
     )
-    info = reproducer.serve_info(play, 8, 5, harness.client.PREFILL_KV_TRANSFER_PARAMS)
+    info = harness.records.serve_info(
+        play, 8, 5, harness.client.PREFILL_KV_TRANSFER_PARAMS
+    )
     assert info["servers"][0] == {
         "name": "prefill",
         "args": ["--enable-prefix-caching"],
@@ -356,7 +357,7 @@ def test_serve_info():
         info["prefill_kv_transfer_params"] == harness.client.PREFILL_KV_TRANSFER_PARAMS
     )
     assert info["vllm_file"].endswith("vllm/__init__.py")
-    assert reproducer.serve_info(None, 8, 5, {}) is None
+    assert harness.records.serve_info(None, 8, 5, {}) is None
 
 
 def sample(tokens, cached):
@@ -370,13 +371,18 @@ def sample(tokens, cached):
     )
 
 
-def test_the_harness_writes_it_next_to_a_failing_record(tmp_path, monkeypatch):
+def test_its_command_writes_it_next_to_a_failing_record(tmp_path, monkeypatch, capsys):
+    """The harness writes the record and names the command; the command
+    writes the reproducer beside it, and removes a stale one of a case that
+    passes now."""
     monkeypatch.setenv(harness.servers.REPORT_DIR_ENV, str(tmp_path))
     summary: list[harness.CaseRecord] = []
     stale = tmp_path / "sweep-partial.repro.py"
     stale.write_text("stale")
     with harness.session.case_session("sweep-partial", summary) as passing:
         passing.units = harness.Units(block=256, hit=UNIT)
+    record_path = tmp_path / "sweep-partial.json"
+    assert reproducer.main([str(record_path)]) == 0
     assert not stale.exists()  # the case passes now
     with harness.session.case_session("sweep-partial", summary) as case:
         case.units = harness.Units(block=256, hit=UNIT)
@@ -390,9 +396,12 @@ def test_the_harness_writes_it_next_to_a_failing_record(tmp_path, monkeypatch):
     record, rec = summary
     assert record.ok and not rec.ok
     assert "turn 1: cached 0 < expected checkpoint 32" in rec.explain()
-    data = json.loads((tmp_path / "sweep-partial.json").read_text())
+    assert f"dev/suite.sh reproduce {record_path}" in capsys.readouterr().out
+    assert not stale.exists()  # written by the command only
+    data = json.loads(record_path.read_text())
     assert (data["turns"][0]["salt"], data["turns"][0]["prompt"]) == ("s-1", [5] * 40)
     assert data["serve"] is None  # no servers in this test
+    assert reproducer.main([str(record_path)]) == 0
     text = stale.read_text()
     compile(text, str(stale), "exec")
     assert "turn 1: cached 0 < expected checkpoint 32" in text

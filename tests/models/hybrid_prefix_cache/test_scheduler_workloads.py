@@ -3,75 +3,81 @@
 """The workloads of the ``workloads`` package, replayed through vLLM's own
 scheduler for every cell of both matrices where they apply, in seconds and
 without a device: ``test_<workload>[<tier>-<deployment>-<mode>]``, each a
-shim over the workload's own replay. Each failure names the property its
-workload holds."""
+shim over the workload's replay (``scheduler.replays``). Each failure names
+the property its workload holds."""
 
 import pytest
 
 from tests.models.hybrid_prefix_cache import harness
 from tests.models.hybrid_prefix_cache.harness.workload import Workload
 from tests.models.hybrid_prefix_cache.replay_cells import cell_params, replay_cell
-from tests.models.hybrid_prefix_cache.scheduler.cell import ReplayCell
-from tests.models.hybrid_prefix_cache.workloads import catalog
+from tests.models.hybrid_prefix_cache.scheduler.cell import Replay, ReplayCell
+from tests.models.hybrid_prefix_cache.scheduler.replays import catalog
+from tests.models.hybrid_prefix_cache.workloads import catalog as workloads
 
 pytestmark = pytest.mark.skip_global_cleanup
 
-WORKLOADS = catalog()
+REPLAYS = catalog()
 
 
 def replay(name: str, cell_id: str, model, binding, *variant: str) -> None:
     __tracebackhide__ = True
-    replay_cell(cell_id, model, binding).replay(WORKLOADS[name], *variant)
+    replay_cell(cell_id, model, binding).replay(REPLAYS[name], *variant)
 
 
-@pytest.mark.parametrize("cell_id", cell_params(WORKLOADS["shared-prefix"]))
+@pytest.mark.parametrize("cell_id", cell_params(REPLAYS["shared-prefix"]))
 def test_shared_prefix(tiny_model, cpu_binding, cell_id: str) -> None:
     replay("shared-prefix", cell_id, tiny_model, cpu_binding)
 
 
-@pytest.mark.parametrize("scheduling", WORKLOADS["abort-retry"].variants)
-@pytest.mark.parametrize("cell_id", cell_params(WORKLOADS["abort-retry"]))
+@pytest.mark.parametrize("scheduling", REPLAYS["abort-retry"].variants)
+@pytest.mark.parametrize("cell_id", cell_params(REPLAYS["abort-retry"]))
 def test_abort_retry(tiny_model, cpu_binding, cell_id: str, scheduling: str) -> None:
     replay("abort-retry", cell_id, tiny_model, cpu_binding, scheduling)
 
 
-@pytest.mark.parametrize("cell_id", cell_params(WORKLOADS["eviction"]))
+@pytest.mark.parametrize("cell_id", cell_params(REPLAYS["eviction"]))
 def test_eviction(tiny_model, cpu_binding, cell_id: str) -> None:
     replay("eviction", cell_id, tiny_model, cpu_binding)
 
 
-@pytest.mark.parametrize("cell_id", cell_params(WORKLOADS["small-budget"]))
+@pytest.mark.parametrize("cell_id", cell_params(REPLAYS["small-budget"]))
 def test_small_budget(tiny_model, cpu_binding, cell_id: str) -> None:
     replay("small-budget", cell_id, tiny_model, cpu_binding)
 
 
-@pytest.mark.parametrize("cell_id", cell_params(WORKLOADS["aligned"]))
+@pytest.mark.parametrize("cell_id", cell_params(REPLAYS["aligned"]))
 def test_aligned(tiny_model, cpu_binding, cell_id: str) -> None:
     replay("aligned", cell_id, tiny_model, cpu_binding)
 
 
-@pytest.mark.parametrize("cell_id", cell_params(WORKLOADS["pd-resend"]))
+@pytest.mark.parametrize("cell_id", cell_params(REPLAYS["pd-resend"]))
 def test_pd_resend(tiny_model, cpu_binding, cell_id: str) -> None:
     replay("pd-resend", cell_id, tiny_model, cpu_binding)
 
 
-@pytest.mark.parametrize("cell_id", cell_params(WORKLOADS["preemption"]))
+@pytest.mark.parametrize("cell_id", cell_params(REPLAYS["preemption"]))
 def test_preemption(tiny_model, cpu_binding, cell_id: str) -> None:
     replay("preemption", cell_id, tiny_model, cpu_binding)
 
 
 @pytest.mark.parametrize("scheduling", ["async", "sync"])
-@pytest.mark.parametrize("cell_id", cell_params(WORKLOADS["async"]))
+@pytest.mark.parametrize("cell_id", cell_params(REPLAYS["async"]))
 def test_scheduling(tiny_model, cpu_binding, cell_id: str, scheduling: str) -> None:
     replay(scheduling, cell_id, tiny_model, cpu_binding)
 
 
 def test_every_replay_has_its_test() -> None:
-    """A workload with a replay is run here: a shim per workload."""
+    """A workload with a replay is run here: a shim per workload; and every
+    replay replays a workload of the ``workloads`` package."""
     tested = {name.removeprefix("test_").replace("_", "-") for name in globals()}
     tested |= {"async", "sync"}
-    untested = [w for w, spec in WORKLOADS.items() if spec.replay and w not in tested]
+    untested = [w for w in REPLAYS if w not in tested]
     assert not untested, f"no test_<workload> replays {untested}"
+    strays = {
+        w: r.workload for w, r in REPLAYS.items() if workloads().get(w) != r.workload
+    }
+    assert not strays, f"replays of no workload of the catalog: {strays}"
 
 
 def test_a_replay_judges_its_known_failure() -> None:
@@ -84,8 +90,8 @@ def test_a_replay_judges_its_known_failure() -> None:
             assert not raised, problem
             cell.fail(workload, [problem], "")
 
-        workload = Workload("w", "it holds", "rule", replay=replay)
-        return workload
+        workload = Workload("w", "it holds", "rule")
+        return Replay(workload, replay)
 
     entry = harness.Known("xfail", "a bug", evidence="hit 0,")
     cell = ReplayCell("c", "cpu", None, None, (0, 1), None, known={"w": entry})
@@ -95,4 +101,4 @@ def test_a_replay_judges_its_known_failure() -> None:
         with pytest.raises(pytest.fail.Exception, match="update the table"):
             cell.replay(replayed("turn 1: hit 64, expected 128", raised))
     with pytest.raises(pytest.fail.Exception, match="XPASS"):
-        cell.replay(Workload("w", "it holds", "rule", replay=lambda cell: None))
+        cell.replay(Replay(Workload("w", "it holds", "rule"), lambda cell: None))

@@ -25,6 +25,12 @@ from tests.models.hybrid_prefix_cache.scheduler.preempt import (
     Unpreempted,
     sized_preemption,
 )
+from tests.models.hybrid_prefix_cache.scheduler.replays import (
+    abort_retry as abort_replay,
+)
+from tests.models.hybrid_prefix_cache.scheduler.replays import (
+    preemption as preemption_replay,
+)
 from tests.models.hybrid_prefix_cache.workloads import (
     abort_retry,
     catalog,
@@ -59,19 +65,19 @@ WORKLOADS = catalog()
 
 def test_abort_problems_bound_what_the_steps_wrote():
     units = harness.Units(block=256, hit=64)
-    assert abort_retry.abort_problems(512, 256, 256, 2341, units) == []
-    (why,) = abort_retry.abort_problems(768, 256, 256, 2341, units)
+    assert abort_replay.abort_problems(512, 256, 256, 2341, units) == []
+    (why,) = abort_replay.abort_problems(768, 256, 256, 2341, units)
     assert "a published boundary was never written" in why
-    (why,) = abort_retry.abort_problems(100, 256, 0, 2341, units)
+    (why,) = abort_replay.abort_problems(100, 256, 0, 2341, units)
     assert "not a multiple of the hit unit" in why
 
 
 def test_overlap_problems_bound_the_steps_before_the_retrys():
     units = harness.Units(block=256, hit=64)
-    assert abort_retry.overlap_problems(2304, 2304, 2341, units) == []
-    (why,) = abort_retry.overlap_problems(2304, 2048, 2341, units)
+    assert abort_replay.overlap_problems(2304, 2304, 2341, units) == []
+    (why,) = abort_replay.overlap_problems(2304, 2048, 2341, units)
     assert "a state its own step publishes" in why
-    (why,) = abort_retry.overlap_problems(100, 2048, 2341, units)
+    (why,) = abort_replay.overlap_problems(100, 2048, 2341, units)
     assert "not a multiple of the hit unit" in why
 
 
@@ -98,8 +104,8 @@ def test_an_eviction_servers_pool_and_pressure():
 
 def test_abort_length_spans_two_steps():
     units = harness.Units(block=256, hit=256)
-    assert abort_retry.abort_length(units, 2048) > 2048 + 256
-    assert abort_retry.abort_length(units, 128) > 3 * 256
+    assert abort_replay.abort_length(units, 2048) > 2048 + 256
+    assert abort_replay.abort_length(units, 128) > 3 * 256
     assert small_budget.small_budgets(units) == (128, 384)
 
 
@@ -229,7 +235,7 @@ def test_preemption_problems_hold_chunks_and_follow_ups():
     assert shape.lengths == (376, 144) and shape.cut
 
     def problems(result):
-        return preemption.problems_of(result, shape, mode, plain)
+        return preemption_replay.problems_of(result, shape, mode, plain)
 
     aligned = [(0, 128), (128, 256), (256, 384), (384, 512)]
     assert _preempted(aligned, (512, 0)).output_cuts(376) == (384,)

@@ -267,7 +267,7 @@ MATRIX = Matrix(
     MODES,
     KNOWN[PLATFORM or "sm100"],
     workloads=WORKLOADS,
-    # The workloads it runs: catalog() would bring in every replay's vLLM.
+    # The workloads it runs: catalog() would bring in the scheduler tier.
     catalog={w.name: w for w in (aligned.WORKLOAD, pd_resend.WORKLOAD)},
     workload_turns={"aligned": 2},
 )

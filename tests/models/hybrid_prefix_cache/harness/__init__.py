@@ -12,7 +12,7 @@ model (:class:`Binding`), lists what to deploy and how to match
 This facade holds only what a binding uses. Every other name lives in the
 module named for what it owns, each importing only those before it: rules,
 deployment, compare, paths, transfer, reconcile, known, clock, servers,
-client, window, conversation, reproducer, records, session, cases, workload (the
+client, window, conversation, records, session, cases, workload (the
 workloads themselves are the ``workloads`` package), matrix; plugin.
 """
 

@@ -33,13 +33,17 @@ class Judgment:
         raise AssertionError(self.message) from cause
 
 
-def judge_failure(case_id: str, entry: Known, text: str) -> Judgment:
-    """A listed case failed with ``text``."""
+def judge_failure(
+    case_id: str, entry: Known, text: str, shown: str | None = None
+) -> Judgment:
+    """A listed case failed with ``text``; a stale table's message says
+    ``shown`` (the problems, and the logs by path), else ``text``."""
     if entry.evidence not in text:
         return Judgment(
             STALE,
             f"{case_id} is listed as {entry.kind} ({entry.reason}) and "
-            f"failed, but without {entry.evidence!r}: update the table.\n{text}",
+            f"failed, but without {entry.evidence!r}: update the table.\n"
+            + (text if shown is None else shown),
         )
     if entry.kind == "unsupported":
         seen = f"{entry.reason} (confirmed: {entry.evidence!r})"

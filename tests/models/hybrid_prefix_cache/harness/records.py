@@ -2,10 +2,11 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """A case's record: the frozen facts of what it observed and its verdict
 (:class:`CaseRecord`, ``record.ok`` and ``record.explain()`` for the test's
-assertion), its turn table, and its JSON report and reproducer
-(:func:`report`)."""
+assertion), its turn table, and its JSON report (:func:`report`), from
+which ``tests.models.hybrid_prefix_cache.reproducer`` writes a reproducer."""
 
 import json
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -17,7 +18,6 @@ from tests.models.hybrid_prefix_cache.harness.compare import (
 )
 from tests.models.hybrid_prefix_cache.harness.deployment import Units
 from tests.models.hybrid_prefix_cache.harness.paths import PathNoise
-from tests.models.hybrid_prefix_cache.harness.reproducer import update_reproducer
 from tests.models.hybrid_prefix_cache.harness.servers import report_folder
 
 
@@ -209,10 +209,42 @@ class CaseRecord(CaseProblems):
         }
 
 
+def serve_info(
+    play, max_tokens: int, num_logprobs: int, prefill_kv_transfer_params: Mapping
+) -> dict | None:
+    """What a reproducer needs of a case's servers (None: it got none)."""
+    if play is None:
+        return None
+    specs = [s.spec for s in play.servers if getattr(s, "spec", None) is not None]
+    pd = play.deployment.prefill is not None
+    vllm = sys.modules.get("vllm")
+    return {
+        "model": play.binding.model,
+        "servers": [
+            {
+                "name": spec.name,
+                "args": list(spec.args),
+                "env": dict(spec.env),
+                "side_channel_port": spec.side_channel_port,
+            }
+            for spec in specs
+        ],
+        "pd": pd,
+        "offload": play.deployment.offload,
+        "logprob_atol": play.recompute_atol,
+        "compares_logprobs": play.deployment.compares_logprobs,
+        "max_tokens": max_tokens,
+        "logprobs": num_logprobs,
+        "prefill_kv_transfer_params": dict(prefill_kv_transfer_params) if pd else None,
+        "vllm_version": getattr(vllm, "__version__", None),
+        "vllm_file": getattr(vllm, "__file__", None),
+    }
+
+
 def report(record: CaseRecord, summary: list[CaseRecord] | None = None) -> None:
     """Print the record's turn table, notices and problems, append it to
-    ``summary``, and write its JSON record (and, if it failed, its
-    reproducer)."""
+    ``summary``, and write its JSON record (on a failure, with the command
+    that turns it into a reproducer)."""
     print("\n" + format_table(record.case_id, record.units, record.turns, record.noise))
     for notice in [n for t in record.turns for n in t.notices] + [*record.notices]:
         print(f"notice: {notice}")
@@ -221,5 +253,7 @@ def report(record: CaseRecord, summary: list[CaseRecord] | None = None) -> None:
     if summary is not None:
         summary.append(record)
     data = record.as_json()
-    (report_folder() / f"{record.case_id}.json").write_text(json.dumps(data, indent=1))
-    update_reproducer(data, report_folder())  # <case_id>.repro.py on FAIL
+    path = report_folder() / f"{record.case_id}.json"
+    path.write_text(json.dumps(data, indent=1))
+    if not record.ok:
+        print(f"record: {path} (its reproducer: dev/suite.sh reproduce {path})")

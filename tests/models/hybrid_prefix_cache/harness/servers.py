@@ -67,11 +67,12 @@ def report_folder(create: bool = True) -> Path:
 
 class ServerError(AssertionError):
     """A server failed to start, died, or did not answer. ``log`` is the
-    server's whole log, where the message quotes only its tail."""
+    server's whole log, kept at ``log_path``; the message quotes its tail."""
 
-    def __init__(self, message: str, log: str = "") -> None:
+    def __init__(self, message: str, log: str = "", log_path: Path | None = None):
         super().__init__(message)
         self.log = log
+        self.log_path = log_path
 
 
 @dataclass(frozen=True)
@@ -261,7 +262,7 @@ class Server(RemoteOpenAIServer):
             log = self.log_path.read_text(errors="replace")
         except OSError:
             log = ""
-        return ServerError(self.failure(what), log)
+        return ServerError(self.failure(what), log, self.log_path)
 
     def failure(self, what: str) -> str:
         """A message about this server that quotes its log tail."""

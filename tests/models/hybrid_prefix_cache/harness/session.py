@@ -35,8 +35,9 @@ from tests.models.hybrid_prefix_cache.harness.records import (
     CaseProblems,
     CaseRecord,
     report,
+    serve_info,
 )
-from tests.models.hybrid_prefix_cache.harness.reproducer import serve_info
+from tests.models.hybrid_prefix_cache.harness.servers import report_folder
 from tests.models.hybrid_prefix_cache.harness.window import Window
 
 
@@ -112,6 +113,22 @@ def failure_text(case: CaseSession, error: BaseException | None) -> str:
     return "\n".join(part for part in parts if part)
 
 
+def failure_summary(case: CaseSession, error: BaseException | None) -> str:
+    """What a stale table's message shows of a failure, in one screen: the
+    problems and turn table, or the exception (its log's tail), then the
+    server logs and the record by path."""
+    parts = [case.explain() if error is None else f"{type(error).__name__}: {error}"]
+    paths = [getattr(error, "log_path", None)] if case.play is None else []
+    paths += (
+        [getattr(s, "log_path", None) for s in case.play.servers] if case.play else []
+    )
+    logs = [str(path) for path in paths if path is not None]
+    if logs:
+        parts.append("server logs: " + ", ".join(logs))
+    parts.append(f"record: {report_folder() / f'{case.case_id}.json'}")
+    return "\n".join(parts)
+
+
 def judge(case: CaseSession, error: BaseException | None) -> Judgment | None:
     """The known failure's judgment of how the case ended, if one applies. A
     case pytest skipped or xfailed itself, or an interrupt, is not judged."""
@@ -121,7 +138,12 @@ def judge(case: CaseSession, error: BaseException | None) -> Judgment | None:
     if entry is None:
         return None
     if error is not None or not case.ok:
-        return judge_failure(case.case_id, entry, failure_text(case, error))
+        return judge_failure(
+            case.case_id,
+            entry,
+            failure_text(case, error),
+            failure_summary(case, error),
+        )
     return judge_pass(case.case_id, entry)
 
 

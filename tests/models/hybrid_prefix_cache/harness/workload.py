@@ -62,19 +62,14 @@ class WorkloadRun:
 
 @dataclass(frozen=True)
 class Workload:
-    """A workload of the ``workloads`` package: its id suffix, the property it holds,
-    its vLLM rule, its ``play`` on real servers and scheduler-tier ``replay``."""
+    """A workload of the ``workloads`` package: its id suffix, the property it
+    holds, its vLLM rule, and its ``play`` on real servers (its scheduler-tier
+    replay is in ``scheduler.replays``)."""
 
     name: str
     holds: str
     rule: str
     play: Callable[[WorkloadRun], CaseRecord] | None = None
-    replay: Callable[..., None] | None = None
-    # The scheduler tier's extra parameter (e.g. sync and async scheduling).
-    variants: tuple[str, ...] = ()
-    # Which cells it applies to in the scheduler tier, and of which tiers.
-    applies: Callable[[Deployment, Mode], bool] = lambda deployment, mode: True
-    tiers: tuple[str, ...] = ("kimi", "cpu")
     # On real servers: servers of its own, started after the cell's others.
     own_servers: bool = False
     # On real servers: its requests, where it plays no cell turns (Case.turns).

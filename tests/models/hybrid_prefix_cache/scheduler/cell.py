@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from tests.models.hybrid_prefix_cache import harness
+from tests.models.hybrid_prefix_cache.harness.deployment import Deployment, Mode
 from tests.models.hybrid_prefix_cache.harness.known import (
     STALE,
     judge_failure,
@@ -27,6 +28,17 @@ from tests.models.hybrid_prefix_cache.scheduler.servers import (
     ReplayServer,
     servers_for,
 )
+
+
+@dataclass(frozen=True)
+class Replay:
+    """A workload's replay in the scheduler tier (``scheduler.replays``): the
+    cells it applies to, and its extra parameter (sync and async scheduling)."""
+
+    workload: Workload
+    run: Callable[..., None]
+    variants: tuple[str, ...] = ()
+    applies: Callable[[Deployment, Mode], bool] = lambda deployment, mode: True
 
 
 @dataclass(frozen=True)
@@ -116,13 +128,13 @@ class ReplayCell:
             text = judgment.message
         pytest.fail(f"{text}\n{detail}", pytrace=False)
 
-    def replay(self, workload: Workload, *variant: str) -> None:
+    def replay(self, replay: Replay, *variant: str) -> None:
         """Every assertion of the replay (a stalled engine, a refused request)
         fails naming the property; a listed case that passes is an XPASS."""
         __tracebackhide__ = True
-        assert workload.replay is not None, f"{workload.name} has no replay"
+        workload = replay.workload
         try:
-            workload.replay(self, *variant)
+            replay.run(self, *variant)
         except AssertionError as e:
             self.fail(workload, [f"{type(e).__name__}: {e}"], "")
         known = self.known.get(workload.name)

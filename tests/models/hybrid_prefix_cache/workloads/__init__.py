@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The workloads beside the growing conversation, one module each, with its
-:class:`harness.Workload`, play and replay; :func:`catalog` finds new ones."""
+:class:`harness.Workload` and play (``scheduler.replays`` holds the replays);
+:func:`catalog` finds new ones."""
 
 import functools
 import importlib
@@ -12,7 +13,7 @@ from tests.models.hybrid_prefix_cache.harness.workload import Workload
 
 @functools.cache
 def catalog() -> dict[str, Workload]:
-    """Every workload, by name, imported lazily: replays need the scheduler's vLLM."""
+    """Every workload, by name."""
     found: dict[str, Workload] = {}
     for info in pkgutil.iter_modules(__path__):
         module = importlib.import_module(f"{__name__}.{info.name}")

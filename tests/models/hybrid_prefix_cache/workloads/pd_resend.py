@@ -3,13 +3,10 @@
 """An exact resend under P/D: it hits its own checkpoint on the prefiller,
 is answered, and the decoder's own cache follows the rule of its role."""
 
-from typing import TYPE_CHECKING
-
 from tests.models.hybrid_prefix_cache.harness.cases import run_resend
 from tests.models.hybrid_prefix_cache.harness.compare import Turn
 from tests.models.hybrid_prefix_cache.harness.conversation import (
     Play,
-    reference_conversation,
     shape_length,
 )
 from tests.models.hybrid_prefix_cache.harness.deployment import Units
@@ -17,9 +14,6 @@ from tests.models.hybrid_prefix_cache.harness.reconcile import decoder_resend_hi
 from tests.models.hybrid_prefix_cache.harness.records import CaseRecord
 from tests.models.hybrid_prefix_cache.harness.rules import PD_PREFILL_BACKOFF
 from tests.models.hybrid_prefix_cache.harness.workload import Workload, WorkloadRun
-
-if TYPE_CHECKING:
-    from tests.models.hybrid_prefix_cache.scheduler.cell import ReplayCell
 
 
 def resend_length(units: Units) -> int:
@@ -65,41 +59,6 @@ def play(run: WorkloadRun) -> CaseRecord:
     )
 
 
-def replay(cell: "ReplayCell") -> None:
-    """Resends of a prompt ending on a block, of one whose prefilled part
-    does, and of the reference prompt: each hits its own checkpoint on the
-    prefiller, and the decoder's own cache follows its role's rule."""
-    # The scheduler tier's vLLM, which the GPU tier's release may lack.
-    from tests.models.hybrid_prefix_cache.scheduler.judge import case_problems
-    from tests.models.hybrid_prefix_cache.scheduler.play import play_resend
-
-    for kda, alignment in cell.kda_checkpoints.items():
-        engines = cell.engines(kda=alignment)
-        units, _ = cell.servers_of(engines)
-        aligned = shape_length("exact", units)
-        lengths = (
-            aligned,
-            aligned + cell.deployment.cache_backoff,
-            reference_conversation(units, "").first_len,
-        )
-        for prompt_len in lengths:
-            units, servers = cell.servers_of(engines)
-            results = play_resend(
-                servers, cell.deployment, prompt_len, cell.cell_id, cell.token_ids
-            )
-            rows, problems = case_problems(
-                servers, results, units, cell.mode, cell.deployment
-            )
-            expected = decoder_resend_hit(prompt_len, units, cell.mode, cell.deployment)
-            if results[-1].decoder_hit != expected:
-                problems.append(
-                    f"resend of {prompt_len} tokens: the decoder's own cache hit "
-                    f"{results[-1].decoder_hit}, its role's rule says {expected} "
-                    f"(harness.reconcile.decoder_resend_hit)"
-                )
-            cell.fail(WORKLOAD, problems, f"{kda}\n" + "\n".join(rows))
-
-
 WORKLOAD = Workload(
     "pd-resend",
     "an exact resend under P/D hits its own checkpoint on the "
@@ -111,8 +70,6 @@ WORKLOAD = Workload(
     "NixlPullScheduler.get_num_new_matched_tokens (the decoder pulls "
     "what its own cache does not hold)",
     play=play,
-    replay=replay,
-    applies=lambda deployment, mode: deployment.prefill is not None,
     # A cold request, then the resend with its recompute.
     turns=2,
 )

@@ -14,7 +14,6 @@ preempts the running request of the largest (priority, arrival_time))."""
 
 import functools
 import random
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -43,19 +42,14 @@ from tests.models.hybrid_prefix_cache.harness.records import CaseRecord
 from tests.models.hybrid_prefix_cache.harness.rules import (
     FIRST_PROMPT_TAIL,
     PlannedTurn,
-    hit_bound,
-    prompt_end_checkpoint,
 )
 from tests.models.hybrid_prefix_cache.harness.workload import (
     InProcess,
     Workload,
     WorkloadRun,
 )
-from tests.models.hybrid_prefix_cache.scheduler.cell import ReplayCell, Setting
-from tests.models.hybrid_prefix_cache.scheduler.judge import controls
 from tests.models.hybrid_prefix_cache.scheduler.preempt import (
     Preemption,
-    Unpreempted,
     play_preemption,
     sized_preemption,
 )
@@ -149,28 +143,6 @@ def shape_of(units: Units, deployment: Deployment, config=None) -> Shape:
     return Shape(units, dcp, spec, lookahead, offload)
 
 
-def chunk_problems(
-    chunks: Sequence[tuple[int, int]], prefill_end: int, block: int, checkpoint: int
-) -> list[str]:
-    """A resumed request's prefill chunks (start, end) that end short of its
-    prefill's end off a block boundary, where no state is filed: only the
-    prompt's own checkpoint may end one there (_mamba_block_aligned_split)."""
-    return [
-        f"a chunk of the resumed prefill ended at {end}, inside block "
-        f"{end // block} ({block} tokens), short of the prefill's end {prefill_end}"
-        for start, end in chunks
-        if end < prefill_end and end % block and end != checkpoint
-    ]
-
-
-def _rule(shape: Shape, mode: Mode, deployment: Deployment) -> int:
-    """The bound of a follow-up: what its request computed (a replayed
-    prefill files states past its prompt)."""
-    stored = shape.prompt_len + shape.max_tokens - 1
-    length = stored + 1 + FIRST_PROMPT_TAIL
-    return hit_bound(stored - deployment.cache_backoff, length, shape.units.hit)
-
-
 def tested(result: Preemption, shape: Shape) -> bool:
     """What the sizing looks for: a resume in more than one chunk (one where
     it restores every stored block) that leaves nothing untested."""
@@ -192,65 +164,6 @@ def untested(result: Preemption | None, shape: Shape) -> str:
             f"{list(result.chunk_ends)}): nothing tested vLLM #33706's trigger"
         )
     return ""
-
-
-def problems_of(
-    result: Preemption | None, shape: Shape, mode: Mode, deployment: Deployment
-) -> list[str]:
-    missing = untested(result, shape)
-    if result is None or missing:
-        return [missing]
-    units = shape.units
-    checkpoint = prompt_end_checkpoint(shape.prompt_len, units.hit, mode.drops_unit)
-    found = chunk_problems(result.chunks, result.prefill_end, result.block, checkpoint)
-    bound = _rule(shape, mode, deployment)
-    for who, hit in zip(("the resumed request's", "the other's"), result.hits):
-        if hit > bound:
-            found.append(f"{who} follow-up cached {hit}, beyond the bound {bound}")
-        elif hit % units.hit:
-            found.append(f"{who} follow-up cached {hit}, off the unit {units.hit}")
-    return found
-
-
-def replay(cell: ReplayCell) -> None:
-    """The pool where vLLM preempts a decoding request after its outputs
-    (:func:`sized_preemption`); its resumed prefill's chunks, and the
-    follow-ups of both requests, held to the rule."""
-    for kda, alignment in cell.kda_checkpoints.items():
-        engines = cell.engines(kda=alignment)
-        units, _ = cell.servers_of(engines)
-        shape = shape_of(units, cell.deployment, engines[0].vllm_config)
-
-        def build(blocks: int | None, alignment=alignment, shape=shape):
-            setting = Setting(shape.budget, blocks, None, shape.max_len, "priority")
-            return cell.servers_of(cell.engines(setting, alignment))[1]
-
-        def replayed(servers, requests: int, shape=shape):
-            seed, tokens = cell.cell_id, cell.token_ids
-            return play_preemption(servers, *shape.lengths, requests, seed, tokens)
-
-        wanted = functools.partial(tested, shape=shape)
-        size, servers, result = sized_preemption(build, replayed, wanted)
-        problems = problems_of(result, shape, cell.mode, cell.deployment)
-        if result is not None:
-            problems += controls(max(result.recompute_hits), servers)
-            # A real server's arrival order is not the replay's.
-            again = play_preemption(
-                build(size),
-                *shape.lengths,
-                result.requests,
-                cell.cell_id,
-                cell.token_ids,
-                reverse=True,
-            )
-            if isinstance(again, Unpreempted):
-                problems.append(f"its pool preempted nothing sent last first: {again}")
-            elif (again.resumed, again.hits) != (result.resumed, result.hits):
-                problems.append(
-                    f"sent last first, the replay preempted differently ({again}): "
-                    f"which request vLLM resumes depends on arrival, not priority"
-                )
-        cell.fail(WORKLOAD, problems, f"{kda} {result}")
 
 
 @dataclass(frozen=True)
@@ -375,16 +288,6 @@ def _described(planned: PreemptionPlan) -> str:
     )
 
 
-def _applies(deployment: Deployment, mode: Mode) -> bool:
-    """Not under P/D (the decoder would replay a transfer), nor DCP or a
-    drafter that drops a hit unit or takes lookahead hashes (rules.drafting):
-    there no pool the sizing tries preempts a decoding request
-    (findings/preemption.md)."""
-    rule = mode.drafting(deployment.instances[0])
-    plain = deployment.prefill is None and deployment.instances[0].dcp <= 1
-    return plain and not (rule.drops_unit or rule.lookahead)
-
-
 def _preemptions(server) -> float:
     return sum(sample.value for sample in read_metrics(server).get(PREEMPTIONS, ()))
 
@@ -398,7 +301,5 @@ WORKLOAD = Workload(
     "Scheduler._mamba_block_aligned_split (a resumed request's prefill "
     "replays its output tokens: request.num_tokens - 1)",
     play=play,
-    replay=replay,
-    applies=_applies,
     own_servers=True,
 )

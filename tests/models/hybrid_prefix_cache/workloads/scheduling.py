@@ -3,43 +3,7 @@
 """Conversations that join and leave between steps, under asynchronous and
 synchronous scheduling (the scheduler tier only)."""
 
-from functools import partial
-
-from tests.models.hybrid_prefix_cache.harness.conversation import (
-    Conversation,
-    reference_conversation,
-    shape_length,
-)
 from tests.models.hybrid_prefix_cache.harness.workload import Workload
-from tests.models.hybrid_prefix_cache.scheduler.cell import ReplayCell, Setting
-from tests.models.hybrid_prefix_cache.scheduler.judge import case_problems
-
-
-def replay(cell: ReplayCell, scheduling: str) -> None:
-    """The reference conversation and one a token past the blocks; on one
-    server without offload they run at once, so requests join and leave
-    between steps. Every turn hits the harness's expectation."""
-    setting = Setting(async_scheduling=scheduling == "async")
-    concurrent = not cell.pd and not cell.deployment.offload
-    for kda, alignment in cell.kda_checkpoints.items():
-        engines = cell.scheduling_engines(setting, alignment)
-        depth = engines[0].vllm_config.max_concurrent_batches
-        assert (depth > 1) == setting.async_scheduling, (scheduling, depth)
-
-        def two(units):
-            length = shape_length("plus1", units)
-            return [
-                reference_conversation(units, f"{cell.cell_id}-reference"),
-                Conversation("plus1", length, f"{cell.cell_id}-plus1"),
-            ]
-
-        units, servers, results = cell.play_conversations(engines, two, concurrent)
-        rows, problems = case_problems(
-            servers, results, units, cell.mode, cell.deployment
-        )
-        workload = ASYNC if setting.async_scheduling else SYNC
-        cell.fail(workload, problems, f"{kda} depth {depth}\n" + "\n".join(rows))
-
 
 ASYNC = Workload(
     "async",
@@ -47,12 +11,10 @@ ASYNC = Workload(
     "with synchronous scheduling",
     "v1/core/sched/async_scheduler.py AsyncScheduler, "
     "v1/engine/core.py EngineCore.step_with_batch_queue",
-    replay=partial(replay, scheduling="async"),
 )
 SYNC = Workload(
     "sync",
     "conversations that join and leave between steps hit their "
     "checkpoints with synchronous scheduling",
     "v1/core/sched/scheduler.py Scheduler, v1/engine/core.py EngineCore.step",
-    replay=partial(replay, scheduling="sync"),
 )

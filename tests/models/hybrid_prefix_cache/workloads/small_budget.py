@@ -28,11 +28,6 @@ from tests.models.hybrid_prefix_cache.harness.rules import (
     PlannedTurn,
 )
 from tests.models.hybrid_prefix_cache.harness.workload import Workload, WorkloadRun
-from tests.models.hybrid_prefix_cache.scheduler.cell import ReplayCell, Setting
-from tests.models.hybrid_prefix_cache.scheduler.judge import (
-    case_problems,
-    check_geometry,
-)
 
 
 def small_budgets(units: Units) -> tuple[int, ...]:
@@ -211,42 +206,11 @@ def play(run: WorkloadRun) -> CaseRecord:
     return case.record
 
 
-def replay(cell: ReplayCell) -> None:
-    """The reference conversation under each of :func:`small_budgets`: its
-    hits equal those under the default budget turn by turn, and the
-    harness's expectation."""
-    for kda, alignment in cell.kda_checkpoints.items():
-        engines = cell.engines(kda=alignment)
-        units = check_geometry(engines[0], cell.mode)
-
-        def reference(units):
-            return [reference_conversation(units, cell.cell_id)]
-
-        _, _, default = cell.play_conversations(engines, reference)
-        for budget in small_budgets(units):
-            setting = Setting(budget)
-            small = cell.engines(setting, alignment)
-            units, servers, results = cell.play_conversations(small, reference)
-            problems = [
-                f"turn {a.planned.index}: cached {b.hit} under a budget of "
-                f"{budget}, {a.hit} under the default"
-                for a, b in zip(default, results)
-                if a.hit != b.hit
-            ]
-            rows, wrong = case_problems(
-                servers, results, units, cell.mode, cell.deployment
-            )
-            problems += wrong
-            detail = f"{kda} budget {budget}\n" + "\n".join(rows)
-            cell.fail(WORKLOAD, problems, detail)
-
-
 WORKLOAD = Workload(
     "small-budget",
     "under a small budget, hits and outputs equal those under the default budget",
     "v1/core/sched/scheduler.py Scheduler._mamba_block_aligned_split "
     "(every chunk ends at or before last_cache_position)",
     play=play,
-    replay=replay,
     own_servers=True,
 )

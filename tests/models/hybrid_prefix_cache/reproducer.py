@@ -2,8 +2,12 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """``<case_id>.repro.py`` beside a FAIL record: a script needing only
 ``requests`` and running servers, which replays the failing turns' salts
-under fresh ones and prints the suite's verdict. Built from the record alone."""
+under fresh ones and prints the suite's verdict. Built from the record alone,
+by ``python -m tests.models.hybrid_prefix_cache.reproducer RECORD.json...``
+(``dev/suite.sh reproduce``), so the suite never loads it while it tests."""
 
+import argparse
+import json
 import os
 import pprint
 import shlex
@@ -12,45 +16,13 @@ import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 
-from tests.models.hybrid_prefix_cache.harness.reproducer_script import TEMPLATE
+from tests.models.hybrid_prefix_cache.reproducer_script import TEMPLATE
 
 # tiny_hybrid.MARKER and MODULE (test_reproducer.py holds them equal)
 TINY_MODEL_MARKER = "hybrid-prefix-cache-tiny-model.txt"
 TINY_MODEL_MODULE = "tests.models.hybrid_prefix_cache.tiny_hybrid"
 FIRST_PORT = 8000
 FIRST_SIDE_CHANNEL_PORT = 5600
-
-
-def serve_info(
-    play, max_tokens: int, num_logprobs: int, prefill_kv_transfer_params: Mapping
-) -> dict | None:
-    """What a reproducer needs of a case's servers (None: it got none)."""
-    if play is None:
-        return None
-    specs = [s.spec for s in play.servers if getattr(s, "spec", None) is not None]
-    pd = play.deployment.prefill is not None
-    vllm = sys.modules.get("vllm")
-    return {
-        "model": play.binding.model,
-        "servers": [
-            {
-                "name": spec.name,
-                "args": list(spec.args),
-                "env": dict(spec.env),
-                "side_channel_port": spec.side_channel_port,
-            }
-            for spec in specs
-        ],
-        "pd": pd,
-        "offload": play.deployment.offload,
-        "logprob_atol": play.recompute_atol,
-        "compares_logprobs": play.deployment.compares_logprobs,
-        "max_tokens": max_tokens,
-        "logprobs": num_logprobs,
-        "prefill_kv_transfer_params": dict(prefill_kv_transfer_params) if pd else None,
-        "vllm_version": getattr(vllm, "__version__", None),
-        "vllm_file": getattr(vllm, "__file__", None),
-    }
 
 
 def _turn_name(turn: Mapping) -> str:
@@ -259,24 +231,33 @@ def reproducer_path(folder: Path, case_id: str) -> Path:
 
 
 def update_reproducer(record: Mapping, folder: Path) -> Path | None:
-    """Write a FAIL record's reproducer, or remove a stale one; a failure to
-    write is reported, never in the verdict's way."""
+    """Write a FAIL record's reproducer into ``folder``, or remove a stale
+    one where the record passed (None)."""
     path = reproducer_path(folder, record["case_id"])
-    try:
-        if record["outcome"] != "FAIL" or not replay_plan(record):
-            path.unlink(missing_ok=True)
-            return None
-        model = (record.get("serve") or {}).get("model") or ""
-        text = render(
-            record,
-            tiny_model=tiny_model_args(Path(model)) if model else None,
-            checkout=os.getcwd(),
-            python=sys.executable,
-        )
-        path.write_text(text)
-        path.chmod(0o755)
-    except Exception as e:
-        print(f"notice: no reproducer for {record['case_id']}: {type(e).__name__}: {e}")
+    if record["outcome"] != "FAIL" or not replay_plan(record):
+        path.unlink(missing_ok=True)
         return None
-    print(f"reproducer: {path}")
+    model = (record.get("serve") or {}).get("model") or ""
+    text = render(
+        record,
+        tiny_model=tiny_model_args(Path(model)) if model else None,
+        checkout=os.getcwd(),
+        python=sys.executable,
+    )
+    path.write_text(text)
+    path.chmod(0o755)
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("records", nargs="+", type=Path, help="<case_id>.json")
+    args = parser.parse_args(argv)
+    for path in args.records:
+        written = update_reproducer(json.loads(path.read_text()), path.parent)
+        print(f"{path}: " + (f"reproducer {written}" if written else "passed"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
