@@ -60,6 +60,7 @@ MAIN_TESTS=(
 SCHEDULER_TESTS=(
     tests/models/hybrid_prefix_cache/test_scheduler_conformance.py
     tests/models/hybrid_prefix_cache/test_scheduler_workloads.py
+    tests/models/kimi_k3/test_prefix_cache_scheduler.py
 )
 # The checks of the CI files against the checkout.
 KIMI_CI_TESTS=(
@@ -88,6 +89,8 @@ ALL_TESTS=(
     tests/models/hybrid_prefix_cache
     tests/models/kimi_k3/test_prefix_cache.py
     tests/models/kimi_k3/test_prefix_cache_matrix.py
+    tests/models/kimi_k3/test_prefix_cache_scheduler.py
+    tests/models/kimi_k3/test_prefix_cache_known.py
     "${KIMI_CI_TESTS[@]}"
 )
 

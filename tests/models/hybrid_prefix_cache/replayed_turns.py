@@ -1,10 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Turns replayed from measured records and checked by the oracle
-(harness.compare.check_turn), for the tests of its comparisons and of the known
-failures' evidence. Pure: no server."""
+(harness.compare.check_turn), and cases whose engine crashed as a failure's
+report says (:func:`crashed_case`), for the tests of the oracle's comparisons
+and of the known failures' evidence. No server."""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import requests
 
 from tests.models.hybrid_prefix_cache.harness import (
+    Deployment,
+    Known,
     Units,
 )
 from tests.models.hybrid_prefix_cache.harness.compare import (
@@ -17,6 +25,8 @@ from tests.models.hybrid_prefix_cache.harness.rules import (
     expected_cached,
     hit_bound,
 )
+from tests.models.hybrid_prefix_cache.harness.servers import ServerError
+from tests.models.hybrid_prefix_cache.harness.session import case_session
 from tests.models.hybrid_prefix_cache.workloads.small_budget import (
     branch_checkpoint,
     branch_lengths,
@@ -195,3 +205,31 @@ def branch_apart_turn(
     played.expected = cached
     check_turn(played, units, 0.0)
     return played
+
+
+def _stand_in_play(log: Path) -> SimpleNamespace:
+    """What a session reads of a case's play: the log file of its server
+    (failure_text), and what its record's ``serve`` names."""
+    return SimpleNamespace(
+        servers=[SimpleNamespace(log_path=log)],
+        noise=None,
+        binding=SimpleNamespace(model="m"),
+        deployment=Deployment(),
+        recompute_atol=None,
+    )
+
+
+def crashed_case(
+    case_id: str, entry: Known, text: str, folder: Path, how: str, units: Units
+) -> None:
+    """Run ``entry`` over a case whose engine crashed with ``text`` in its
+    log (in ``folder``): the request that met the crash raises ServerError
+    with that log (``how="request"``), or a later metrics read fails while
+    only the log file on disk holds the cause (``how="metrics"``)."""
+    log = folder / f"{how}.log"
+    log.write_text(f"INFO starting\n{text}\nERROR EngineCore died\n")
+    with case_session(case_id, known=(entry,)) as case:
+        case.units, case.play = units, _stand_in_play(log)
+        if how == "request":
+            raise ServerError("serve answered a completion with 500", log.read_text())
+        raise requests.ConnectionError("metrics: connection refused")

@@ -38,13 +38,6 @@ from tests.models.hybrid_prefix_cache.harness.rules import (
 from vllm.config.speculative import SpeculativeConfig, SpeculativeMethod
 
 
-def kimi_cell(case_id: str):
-    """(deployment, mode) of a Kimi-K3 matrix cell, from its binding."""
-    from tests.models.kimi_k3 import prefix_cache_binding as kimi
-
-    return kimi.MATRIX.served(case_id)
-
-
 @pytest.mark.parametrize(
     ("prev_len", "unit", "drops_unit", "expected"),
     [
@@ -71,54 +64,6 @@ def kimi_cell(case_id: str):
 )
 def test_expected_cached(prev_len: int, unit: int, drops_unit: bool, expected: int):
     assert expected_cached(prev_len, unit, drops_unit) == expected
-
-
-# Real B200 turn tables, from the PR this project started from: per case,
-# the hit unit and (prompt, cached) of its three growing turns. That PR ran
-# vLLM 0.32, whose rule drops a unit for DSpark (B200_DROPS_UNIT).
-B200_TURNS = {
-    # PMU 128; block 2944 under DCP2, so the first prompt is 3 * 2944 + 37.
-    "dcp2-offload-partial": (128, [(8869, 0), (9646, 8832), (10423, 9600)]),
-    # PMU 128, DSpark; block 6144, so the first prompt is 3 * 6144 + 37.
-    "pd-offload-partial-dspark": (128, [(18469, 0), (19246, 18304), (20023, 19072)]),
-}
-B200_DROPS_UNIT = {"dcp2-offload-partial": False, "pd-offload-partial-dspark": True}
-
-
-def _b200_table(case_id: str, drops_unit: bool) -> list[tuple[int, int]]:
-    """(prompt, expected hit) of the case's first turns, from the harness's
-    own plan of the conversation and its deployment (the P/D prefiller sees
-    each prompt one token short), under the drop rule ``drops_unit``."""
-    unit, seen = B200_TURNS[case_id]
-    deployment, _ = kimi_cell(case_id)
-    plan = plan_turns(seen[0][0])
-    return [
-        (turn.prompt_len, expectation(turn, unit, drops_unit, backoff)[0])
-        for turn in plan[: len(seen)]
-        for backoff in [deployment.cache_backoff]
-    ]
-
-
-@pytest.mark.parametrize("case_id", B200_TURNS)
-def test_b200_turn_tables(case_id: str):
-    """The expectation functions reproduce what B200 served under the rule
-    of the vLLM it ran; under the installed vLLM's rule, the table is
-    printed, and equals B200's where the rule is the same."""
-    _, mode = kimi_cell(case_id)
-    assert _b200_table(case_id, B200_DROPS_UNIT[case_id]) == B200_TURNS[case_id][1]
-    installed = _b200_table(case_id, mode.drops_unit)
-    print(f"{case_id} under the installed vLLM's rule: {installed}")
-    if mode.drops_unit == B200_DROPS_UNIT[case_id]:
-        assert installed == B200_TURNS[case_id][1]
-    else:
-        assert all(a >= b for (_, a), (_, b) in zip(installed, B200_TURNS[case_id][1]))
-
-
-def test_b200_plain_block_checkpoint():
-    """On main without the fix, plain-block served 0 at its second turn
-    where 17280 was expected: block mode with a 5760-token hit unit."""
-    plan = plan_turns(3 * 5760 + 37)
-    assert expectation(plan[1], 5760, drops_unit=False)[0] == 17280
 
 
 @pytest.mark.parametrize(

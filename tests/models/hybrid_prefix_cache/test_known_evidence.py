@@ -1,33 +1,30 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Every known failure of both tables, fed by the path its failure really
-arrives by (harness.Known.arrives): a crash (an exception, and the logs of
-the case's servers), a refusal of the config, or the oracle's own words on
-a record. Each entry must see its evidence there, and a failure without it
-must fail as a stale table. No server: the crash's log is the text the
-report of the real failure gives."""
+"""Every known failure of the CPU and GPU tiers' tables, fed by the path
+its failure really arrives by (harness.Known.arrives): a crash (an
+exception, and the logs of the case's servers), a refusal of the config, or
+the oracle's own words on a record. Each entry must see its evidence there,
+and a failure without it must fail as a stale table. No server: the crash's
+log is the text the report of the real failure gives."""
 
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-import requests
 
 from tests.models.hybrid_prefix_cache import cpu_known, gpu_binding
 from tests.models.hybrid_prefix_cache.cpu_binding import cpu_binding
 from tests.models.hybrid_prefix_cache.harness import (
-    Deployment,
     Known,
     Units,
 )
 from tests.models.hybrid_prefix_cache.harness.servers import (
     REPORT_DIR_ENV,
-    ServerError,
 )
 from tests.models.hybrid_prefix_cache.harness.session import case_session
 from tests.models.hybrid_prefix_cache.replayed_turns import (
     branch_apart_turn,
+    crashed_case,
     lost_checkpoint_turn,
     lost_resend_turn,
     restored_apart_turn,
@@ -37,16 +34,10 @@ from tests.models.hybrid_prefix_cache.tiny_hybrid import write_tiny_hybrid
 pytestmark = pytest.mark.skip_global_cleanup
 
 
-def _kimi_tables() -> dict[str, dict[str, tuple[Known, ...]]]:
-    from tests.models.kimi_k3 import prefix_cache_binding as kimi
-
-    return kimi.KNOWN
-
-
 def _tables() -> dict[str, dict[str, tuple[Known, ...]]]:
-    """Every tier's table of known failures, by the tier's name."""
-    tables = {f"kimi-{platform}": table for platform, table in _kimi_tables().items()}
-    return {"cpu": cpu_known.KNOWN, "gpu": gpu_binding.KNOWN, **tables}
+    """The CPU and GPU tiers' tables of known failures, by the tier's name
+    (Kimi-K3's: kimi_k3/test_prefix_cache_known.py)."""
+    return {"cpu": cpu_known.KNOWN, "gpu": gpu_binding.KNOWN}
 
 
 def _entries(arrives: str) -> list:
@@ -182,30 +173,8 @@ def _units(entry: Known) -> Units:
     return Units(block=block, hit=hit)
 
 
-def _stand_in_play(log: Path) -> SimpleNamespace:
-    """What a session reads of a case's play: the log file of its server
-    (failure_text), and what its record's reproducer names."""
-    return SimpleNamespace(
-        servers=[SimpleNamespace(log_path=log)],
-        noise=None,
-        binding=SimpleNamespace(model="m"),
-        deployment=Deployment(),
-        recompute_atol=None,
-    )
-
-
 def _crash(case_id: str, entry: Known, text: str, tmp_path: Path, how: str) -> None:
-    """Run ``entry`` over a case whose engine crashed with ``text`` in its
-    log: the request that met the crash raises ServerError with that log
-    (``how="request"``), or a later metrics read fails while only the log
-    file on disk holds the cause (``how="metrics"``)."""
-    log = tmp_path / f"{how}.log"
-    log.write_text(f"INFO starting\n{text}\nERROR EngineCore died\n")
-    with case_session(case_id, known=(entry,)) as case:
-        case.units, case.play = _units(entry), _stand_in_play(log)
-        if how == "request":
-            raise ServerError("serve answered a completion with 500", log.read_text())
-        raise requests.ConnectionError("metrics: connection refused")
+    crashed_case(case_id, entry, text, tmp_path, how, _units(entry))
 
 
 @pytest.mark.parametrize(("case_id", "entry"), _entries("crash"))
@@ -272,12 +241,3 @@ def test_every_entry_is_fed_by_its_arrival():
         k for t in tables for ks in t.values() for k in ks if not k.confirmed_by
     ]
     assert fed == len(confirming) > 0
-
-
-def test_the_dcp_spec_entries_expect_flashinfers_error():
-    """The error the real failure reported (#59392), not an oracle message
-    that a crash can never produce."""
-    report = "causal_seqlens_kv_global must have shape (9,), got (2,)"
-    entries = [k for ks in _kimi_tables()["sm100"].values() for k in ks]
-    assert entries and all(k.arrives == "crash" for k in entries)
-    assert all(k.evidence in report for k in entries)

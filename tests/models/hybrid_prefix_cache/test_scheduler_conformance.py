@@ -10,12 +10,9 @@ the real ``Scheduler`` and ``KVCacheManager``, the real scheduler side of
 each KV connector, stand-in workers) and requires, per turn, vLLM's hit to
 EQUAL the expected hit (and to respect the bound), the recompute to hit
 nothing, and, per server, the counters that vLLM's own ``PrefixCacheStats``
-move to obey the counter rule. It covers:
+move to obey the counter rule. It covers (the Kimi-K3 matrix's cells:
+``kimi_k3/test_prefix_cache_scheduler.py``):
 
-* every cell of the Kimi-K3 matrix (``kimi.DEPLOYMENTS`` x ``kimi.MODES``)
-  and its exact resends, with the B200 geometry stated in
-  ``kimi.KIMI_BLOCKS`` (the GPU tier cannot run here); its Mooncake resend is
-  listed and skips, naming what it would need;
 * every case of the CPU tier (``cpu_known.MATRIX``: deployments x modes,
   the tail sweep, the concurrent conversations), with the geometry vLLM
   resolves for the tiny model on this machine.
@@ -30,18 +27,14 @@ import pytest
 
 from tests.models.hybrid_prefix_cache import cpu_binding as cpu
 from tests.models.hybrid_prefix_cache import cpu_known, harness, scheduler
-from tests.models.hybrid_prefix_cache.replay_cells import (
-    KDA_CHECKPOINTS,
-    cpu_engines,
-    kimi_engines,
-)
+from tests.models.hybrid_prefix_cache.replay_cells import cpu_engines
 from tests.models.hybrid_prefix_cache.scheduler.judge import (
     check_case,
+    check_drafter,
     check_geometry,
     counter_problems,
 )
 from tests.models.hybrid_prefix_cache.tiny_hybrid import write_tiny_hybrid
-from tests.models.kimi_k3 import prefix_cache_binding as kimi
 
 # Only scheduler-side objects are built: no distributed state or device
 # memory for tests/conftest.py's per-test cleanup (a full gc.collect each)
@@ -70,147 +63,32 @@ def mtp_binding(tmp_path_factory) -> harness.Binding:
 # --- the checks ------------------------------------------------------------------
 
 
-# --- Kimi-K3 -----------------------------------------------------------------------
-
-
-def _kimi_params() -> list:
-    return [
-        pytest.param(name, mode_name, id=f"{name}-{mode_name}")
-        for name in kimi.DEPLOYMENTS
-        for mode_name in kimi.MODES
-    ]
-
-
 def _drafter_params() -> list:
     return [
         pytest.param(tier, name, id=f"{tier}-{name}")
-        for tier, modes in (
-            ("kimi", kimi.MODES),
-            ("cpu", cpu.MODES),
-            ("mtp", MTP_MODES),
-        )
+        for tier, modes in (("cpu", cpu.MODES), ("mtp", MTP_MODES))
         for name, mode in modes.items()
         if mode.spec is not None
     ]
 
 
 @pytest.mark.parametrize(("tier", "mode_name"), _drafter_params())
-def test_drop_rule_is_the_schedulers(
-    tiny_model, mtp_binding, cpu_binding, tier, mode_name
-):
+def test_drop_rule_is_the_schedulers(mtp_binding, cpu_binding, tier, mode_name):
     """The harness reads what a drafter changes from vLLM's config and, for
     the lookahead hashes, from the connector's own declaration
-    (harness.rules.drafting); vLLM's scheduler must then do it: Scheduler.__init__
-    sets use_eagle_block_drop (off where it hashes lookahead tokens) and
-    hands it to the KVCacheManager, whose lookups drop the unit, and from
-    0.33 num_hash_lookahead_tokens. A scheduler that ignores the config, or
+    (harness.rules.drafting); vLLM's scheduler must then do it
+    (scheduler.judge.check_drafter). A scheduler that ignores the config, or
     a config that stops honouring a connector's declaration, fails here by
-    name; so does a Kimi-K3 drafter whose rule is not the one its binding
-    states for the release under test."""
-    if tier == "kimi":
-        mode = kimi.MODES[mode_name]
-        deployments = kimi.DEPLOYMENTS
-        stated = kimi.drafter_rule()
-        for name, deployment in deployments.items():
-            for instance in deployment.instances:
-                got = mode.drafting(instance)
-                assert got == stated, (
-                    f"kimi {name} {mode_name}: vLLM "
-                    f"{harness.rules.release_under_test()} "
-                    f"answers {got} for {mode.spec['method']}, the binding states "
-                    f"{stated} for this release (kimi.DRAFTER_RULES)"
-                )
-    else:
-        modes = cpu.MODES if tier == "cpu" else MTP_MODES
-        mode = modes[mode_name]
-        deployments = cpu.DEPLOYMENTS
+    name."""
+    mode = (cpu.MODES if tier == "cpu" else MTP_MODES)[mode_name]
     binding = mtp_binding if tier == "mtp" else cpu_binding
-    for name, deployment in deployments.items():
+    for name, deployment in cpu.DEPLOYMENTS.items():
         try:
-            if tier == "kimi":
-                engines = kimi_engines(tiny_model.path, deployment, mode, None)
-            else:
-                engines = cpu_engines(binding, deployment, mode)
+            engines = cpu_engines(binding, deployment, mode)
         except pytest.skip.Exception as e:
             print(f"{tier} {name} {mode_name}: not built ({e.msg})")
             continue
-        for engine, instance in zip(engines, deployment.instances):
-            rule = mode.drafting(instance)
-            vllm_scheduler = engine.scheduler()
-            connector = (instance.kv_config or {}).get("kv_connector")
-            what = f"{tier} {name} {mode_name} (connector {connector})"
-            # Before 0.32 (0.26) the scheduler's flag was use_eagle.
-            drops = getattr(
-                vllm_scheduler, "use_eagle_block_drop", vllm_scheduler.use_eagle
-            )
-            assert drops == rule.drops_unit, (
-                f"{what}: the harness reads {rule}, vLLM's scheduler drops {drops}"
-            )
-            assert vllm_scheduler.kv_cache_manager.use_eagle == rule.drops_unit, (
-                f"{what}: the KV cache manager's lookups drop "
-                f"{vllm_scheduler.kv_cache_manager.use_eagle}, the harness reads "
-                f"{rule}"
-            )
-            hashed = getattr(vllm_scheduler, "num_hash_lookahead_tokens", 0)
-            assert hashed == rule.lookahead, (
-                f"{what}: vLLM's scheduler hashes {hashed} lookahead tokens, "
-                f"the harness reads {rule}"
-            )
-
-
-@pytest.mark.parametrize(("deployment_name", "mode_name"), _kimi_params())
-def test_kimi_cell(tiny_model, deployment_name: str, mode_name: str) -> None:
-    deployment = kimi.DEPLOYMENTS[deployment_name]
-    mode = kimi.MODES[mode_name]
-    case_id = f"{deployment_name}-{mode_name}"
-    for kda, alignment in KDA_CHECKPOINTS.items():
-        engines = kimi_engines(tiny_model.path, deployment, mode, alignment)
-        units = check_geometry(engines[0], mode)
-        servers = scheduler.servers_for(engines, deployment, kimi.BINDING.token_ids)
-        conversation = harness.conversation.reference_conversation(units, case_id)
-        results = scheduler.play_conversations(
-            servers, deployment, [conversation], kimi.BINDING.token_ids
-        )
-        check_case(f"{case_id} ({kda})", servers, results, units, mode, deployment)
-
-
-@pytest.mark.parametrize("prompt_len", kimi.RESEND_LENGTHS, ids=lambda n: f"resend-{n}")
-def test_kimi_resend(tiny_model, prompt_len: int) -> None:
-    """kimi.test_exact_resend: cold, then the resend, which hits the prompt's
-    own checkpoint (harness.rules.expected_resend)."""
-    deployment = kimi.DEPLOYMENTS["plain"]
-    mode = kimi.MODES[kimi.RESEND_MODE]
-    case_id = f"plain-{kimi.RESEND_MODE}-resend-{prompt_len}"
-    for kda, alignment in KDA_CHECKPOINTS.items():
-        engines = kimi_engines(tiny_model.path, deployment, mode, alignment)
-        units = check_geometry(engines[0], mode)
-        servers = scheduler.servers_for(engines, deployment, kimi.BINDING.token_ids)
-        results = scheduler.play_resend(
-            servers, deployment, prompt_len, case_id, kimi.BINDING.token_ids
-        )
-        resend = results[-1]
-        rule = mode.drafting(deployment.decode)
-        expected = harness.rules.expected_resend(
-            prompt_len, units.hit, rule.drops_unit, rule.lookahead
-        )
-        assert resend.hit == expected, (
-            f"{case_id} ({kda}): vLLM's scheduler hits {resend.hit} on the "
-            f"resend, harness.rules.expected_resend gives {expected}"
-        )
-        check_case(f"{case_id} ({kda})", servers, results, units, mode, deployment)
-
-
-def test_kimi_mooncake_resend() -> None:
-    """kimi.test_mooncake_store_resend (MOONCAKE_DEPLOYMENT, 7449 tokens)."""
-    connector = kimi.MOONCAKE_DEPLOYMENT.decode.kv_config["kv_connector"]
-    pytest.skip(
-        f"{connector}'s hit is its worker's lookup in a MooncakeDistributedStore: "
-        f"the scheduler side asks the worker over ZMQ (LookupKeyClient, "
-        f"mooncake/store/scheduler.py) and the worker (MooncakeStoreWorker) "
-        f"needs the Mooncake transfer engine and a master; no stand-in for "
-        f"the store here (resend of {kimi.MOONCAKE_RESEND_LENGTH} tokens "
-        f"unchecked)"
-    )
+        check_drafter(engines, deployment, mode, f"{tier} {name} {mode_name}")
 
 
 # --- the CPU tier --------------------------------------------------------------------

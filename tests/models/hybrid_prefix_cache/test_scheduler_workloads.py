@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The workloads of the ``workloads`` package, replayed through vLLM's own
-scheduler for every cell of both matrices where they apply, in seconds and
-without a device: ``test_<workload>[<tier>-<deployment>-<mode>]``, each a
+scheduler for every cell of the CPU tier's matrix where they apply (the
+Kimi-K3 matrix's: ``kimi_k3/test_prefix_cache_scheduler.py``), in seconds and
+without a device: ``test_<workload>[cpu-<deployment>-<mode>]``, each a
 shim over the workload's replay (``scheduler.replays``). Each failure names
 the property its workload holds."""
 
@@ -10,7 +11,7 @@ import pytest
 
 from tests.models.hybrid_prefix_cache import harness
 from tests.models.hybrid_prefix_cache.harness.workload import Workload
-from tests.models.hybrid_prefix_cache.replay_cells import cell_params, replay_cell
+from tests.models.hybrid_prefix_cache.replay_cells import CPU
 from tests.models.hybrid_prefix_cache.scheduler.cell import Replay, ReplayCell
 from tests.models.hybrid_prefix_cache.scheduler.replays import catalog
 from tests.models.hybrid_prefix_cache.workloads import catalog as workloads
@@ -22,47 +23,47 @@ REPLAYS = catalog()
 
 def replay(name: str, cell_id: str, model, binding, *variant: str) -> None:
     __tracebackhide__ = True
-    replay_cell(cell_id, model, binding).replay(REPLAYS[name], *variant)
+    CPU.cell(cell_id, model, binding).replay(REPLAYS[name], *variant)
 
 
-@pytest.mark.parametrize("cell_id", cell_params(REPLAYS["shared-prefix"]))
+@pytest.mark.parametrize("cell_id", CPU.params(REPLAYS["shared-prefix"]))
 def test_shared_prefix(tiny_model, cpu_binding, cell_id: str) -> None:
     replay("shared-prefix", cell_id, tiny_model, cpu_binding)
 
 
 @pytest.mark.parametrize("scheduling", REPLAYS["abort-retry"].variants)
-@pytest.mark.parametrize("cell_id", cell_params(REPLAYS["abort-retry"]))
+@pytest.mark.parametrize("cell_id", CPU.params(REPLAYS["abort-retry"]))
 def test_abort_retry(tiny_model, cpu_binding, cell_id: str, scheduling: str) -> None:
     replay("abort-retry", cell_id, tiny_model, cpu_binding, scheduling)
 
 
-@pytest.mark.parametrize("cell_id", cell_params(REPLAYS["eviction"]))
+@pytest.mark.parametrize("cell_id", CPU.params(REPLAYS["eviction"]))
 def test_eviction(tiny_model, cpu_binding, cell_id: str) -> None:
     replay("eviction", cell_id, tiny_model, cpu_binding)
 
 
-@pytest.mark.parametrize("cell_id", cell_params(REPLAYS["small-budget"]))
+@pytest.mark.parametrize("cell_id", CPU.params(REPLAYS["small-budget"]))
 def test_small_budget(tiny_model, cpu_binding, cell_id: str) -> None:
     replay("small-budget", cell_id, tiny_model, cpu_binding)
 
 
-@pytest.mark.parametrize("cell_id", cell_params(REPLAYS["aligned"]))
+@pytest.mark.parametrize("cell_id", CPU.params(REPLAYS["aligned"]))
 def test_aligned(tiny_model, cpu_binding, cell_id: str) -> None:
     replay("aligned", cell_id, tiny_model, cpu_binding)
 
 
-@pytest.mark.parametrize("cell_id", cell_params(REPLAYS["pd-resend"]))
+@pytest.mark.parametrize("cell_id", CPU.params(REPLAYS["pd-resend"]))
 def test_pd_resend(tiny_model, cpu_binding, cell_id: str) -> None:
     replay("pd-resend", cell_id, tiny_model, cpu_binding)
 
 
-@pytest.mark.parametrize("cell_id", cell_params(REPLAYS["preemption"]))
+@pytest.mark.parametrize("cell_id", CPU.params(REPLAYS["preemption"]))
 def test_preemption(tiny_model, cpu_binding, cell_id: str) -> None:
     replay("preemption", cell_id, tiny_model, cpu_binding)
 
 
 @pytest.mark.parametrize("scheduling", ["async", "sync"])
-@pytest.mark.parametrize("cell_id", cell_params(REPLAYS["async"]))
+@pytest.mark.parametrize("cell_id", CPU.params(REPLAYS["async"]))
 def test_scheduling(tiny_model, cpu_binding, cell_id: str, scheduling: str) -> None:
     replay(scheduling, cell_id, tiny_model, cpu_binding)
 

@@ -122,17 +122,19 @@ SCHEDULER_TIER = (
         for path in (ROOT / "tests/models/hybrid_prefix_cache/scheduler").glob("*.py")
     ),
     "tests/models/hybrid_prefix_cache/test_scheduler_conformance.py",
+    "tests/models/kimi_k3/prefix_cache_replay.py",
+    "tests/models/kimi_k3/test_prefix_cache_scheduler.py",
 )
 
 
 def test_cpu_step_runs_the_scheduler_tier():
     """The CPU step's pytest commands select the scheduler tier's Kimi-K3
-    cells (test_scheduler_conformance.py), and it collects."""
+    cells (test_prefix_cache_scheduler.py), and it collects."""
     errors: list[str] = []
     nodes = []
     for argv, here in _pytest_runs(_step(CPU_KEY)):
         nodes += collect(argv, cwd=here, errors=errors)
-    tier = [n for n in nodes if "/test_scheduler_conformance.py::" in n]
+    tier = [n for n in nodes if "/test_prefix_cache_scheduler.py::test_kimi_cell" in n]
     assert any("kimi" in n for n in tier), (
         f"{CPU_KEY} runs no Kimi-K3 cell of the scheduler tier: "
         + ("\n".join(errors) or "its commands do not select it")

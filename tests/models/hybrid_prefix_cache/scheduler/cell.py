@@ -3,10 +3,11 @@
 """One cell of a matrix as the scheduler tier replays it (:class:`ReplayCell`):
 its engines under a workload's :class:`Setting`, its replayed servers, and
 the verdict of a workload replayed on it, held to the tier's known
-failures."""
+failures; a binding's matrix as the tier's cells (:class:`ReplayTier`)."""
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -156,3 +157,79 @@ class ReplayCell:
             servers, self.deployment, conversations(units), self.token_ids, concurrent
         )
         return units, servers, results
+
+
+# Builds a cell's engines under a setting and a KDA checkpoint alignment; a
+# tier's BuildFor makes one from the scheduler tier's fixtures: the tiny model
+# (tiny_hybrid.TinyHybrid) and the CPU tier's binding.
+Build = Callable[[Setting, int | None], list[Engine]]
+BuildFor = Callable[
+    [Any, harness.Binding | None, harness.Deployment, harness.Mode], Build
+]
+
+
+@dataclass(frozen=True)
+class ReplayTier:
+    """A binding's cells as the scheduler tier replays them: its matrix, how a
+    cell's engines are built, the KDA checkpoint alignments each cell replays,
+    its token ids (None: the binding's), and its known failures of workloads
+    by (workload, cell id)."""
+
+    name: str
+    matrix: harness.Matrix
+    build: BuildFor
+    token_ids: tuple[int, int] | None = None
+    kda_checkpoints: Mapping[str, int | None] = field(
+        default_factory=lambda: {"": None}
+    )
+    known: Mapping[tuple[str, str], harness.Known] = field(default_factory=dict)
+
+    def cells(self) -> dict[str, tuple[str, str]]:
+        """(deployment, mode) by cell id, ``<tier>-<deployment>-<mode>``."""
+        return {
+            f"{self.name}-{name}-{mode}": (name, mode)
+            for name in self.matrix.deployments
+            for mode in self.matrix.modes
+        }
+
+    def params(self, replay: Replay) -> list:
+        """One pytest param per cell that ``replay`` applies to."""
+        return [
+            pytest.param(cell_id, id=cell_id)
+            for cell_id, (name, mode) in self.cells().items()
+            if replay.applies(self.matrix.deployments[name], self.matrix.modes[mode])
+        ]
+
+    def cell(
+        self, cell_id: str, model: Any, binding: harness.Binding | None
+    ) -> ReplayCell:
+        """``cell_id`` of :meth:`cells`, its engines built on ``model`` or from
+        ``binding``'s servers."""
+        name, mode_name = self.cells()[cell_id]
+        deployment = self.matrix.deployments[name]
+        mode = self.matrix.modes[mode_name]
+        known = {
+            workload: entry
+            for (workload, cell), entry in self.known.items()
+            if cell == cell_id and entry.holds()
+        }
+        plans = {
+            case.workload: (case.num_turns, case.resend)
+            for case in self.matrix.cases.values()
+            if case.cell == f"{name}-{mode_name}" and case.workload is not None
+        }
+        token_ids = self.token_ids
+        if token_ids is None:
+            assert binding is not None, f"{self.name}: its tokens are a binding's"
+            token_ids = binding.token_ids
+        return ReplayCell(
+            cell_id,
+            self.name,
+            deployment,
+            mode,
+            token_ids,
+            self.build(model, binding, deployment, mode),
+            self.kda_checkpoints,
+            known,
+            plans,
+        )

@@ -131,3 +131,38 @@ def controls(recompute_hit: int, servers: Sequence[ReplayServer]) -> list[str]:
     a fresh salt hits nothing, and each server's counters obey the rule."""
     found = [f"the recompute hit {recompute_hit}"] if recompute_hit else []
     return found + counter_problems(servers)
+
+
+def check_drafter(
+    engines: Sequence[Engine],
+    deployment: harness.Deployment,
+    mode: harness.Mode,
+    what: str,
+) -> None:
+    """Each engine's scheduler does what the harness reads of its drafter
+    (harness.rules.drafting): Scheduler.__init__ sets use_eagle_block_drop
+    (off where it hashes lookahead tokens) and hands it to the
+    KVCacheManager, whose lookups drop the unit, and from 0.33
+    num_hash_lookahead_tokens."""
+    for engine, instance in zip(engines, deployment.instances):
+        rule = mode.drafting(instance)
+        vllm_scheduler = engine.scheduler()
+        connector = (instance.kv_config or {}).get("kv_connector")
+        where = f"{what} (connector {connector})"
+        # Before 0.32 (0.26) the scheduler's flag was use_eagle.
+        drops = getattr(
+            vllm_scheduler, "use_eagle_block_drop", vllm_scheduler.use_eagle
+        )
+        assert drops == rule.drops_unit, (
+            f"{where}: the harness reads {rule}, vLLM's scheduler drops {drops}"
+        )
+        assert vllm_scheduler.kv_cache_manager.use_eagle == rule.drops_unit, (
+            f"{where}: the KV cache manager's lookups drop "
+            f"{vllm_scheduler.kv_cache_manager.use_eagle}, the harness reads "
+            f"{rule}"
+        )
+        hashed = getattr(vllm_scheduler, "num_hash_lookahead_tokens", 0)
+        assert hashed == rule.lookahead, (
+            f"{where}: vLLM's scheduler hashes {hashed} lookahead tokens, "
+            f"the harness reads {rule}"
+        )
