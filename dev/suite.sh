@@ -62,15 +62,16 @@ SCHEDULER_TESTS=(
     tests/models/hybrid_prefix_cache/test_scheduler_workloads.py
     tests/models/kimi_k3/test_prefix_cache_scheduler.py
 )
-# The checks of the CI files against the checkout.
+# The checks of the CI files against the checkout, run from it; not tests of
+# a model, so they live in dev/ (dev/tests would shadow vLLM's tests package).
 KIMI_CI_TESTS=(
-    tests/models/kimi_k3/test_prefix_cache_ci.py
-    tests/models/kimi_k3/test_prefix_cache_ci_gpu_step.py
-    tests/models/kimi_k3/test_prefix_cache_ci_install.py
-    tests/models/kimi_k3/test_prefix_cache_ci_install_run.py
-    tests/models/kimi_k3/test_prefix_cache_ci_reads.py
-    tests/models/kimi_k3/test_prefix_cache_ci_shards.py
-    tests/models/kimi_k3/test_prefix_cache_ci_upstream.py
+    "$REPO/dev/ci_checks/test_prefix_cache_ci.py"
+    "$REPO/dev/ci_checks/test_prefix_cache_ci_gpu_step.py"
+    "$REPO/dev/ci_checks/test_prefix_cache_ci_install.py"
+    "$REPO/dev/ci_checks/test_prefix_cache_ci_install_run.py"
+    "$REPO/dev/ci_checks/test_prefix_cache_ci_reads.py"
+    "$REPO/dev/ci_checks/test_prefix_cache_ci_shards.py"
+    "$REPO/dev/ci_checks/test_prefix_cache_ci_upstream.py"
 )
 # What `all` also runs against the followed release's Python (the "# follows:"
 # line of dev/requirements-cpu.txt), from its own checkout: what needs no

@@ -5,6 +5,15 @@
 import re
 
 import pytest
+from prefix_cache_ci_area import (
+    MATRIX_MODULE,
+    SHARDED_KEY,
+    _pytest_commands,
+    _step,
+    _unsharded,
+    in_matrix,
+)
+from prefix_cache_ci_collect import collect_in_process
 
 from tests.models.hybrid_prefix_cache.harness import (
     case_seconds,
@@ -13,15 +22,6 @@ from tests.models.hybrid_prefix_cache.harness.matrix import (
     CASE_TURNS,
 )
 from tests.models.kimi_k3 import prefix_cache_binding as kimi
-from tests.models.kimi_k3.prefix_cache_ci_area import (
-    MATRIX_MODULE,
-    SHARDED_KEY,
-    _pytest_commands,
-    _step,
-    _unsharded,
-    in_matrix,
-)
-from tests.models.kimi_k3.prefix_cache_ci_collect import collect_in_process
 
 # No distributed state or device in-process: skip vLLM's global cleanup.
 pytestmark = pytest.mark.skip_global_cleanup

@@ -6,9 +6,7 @@ read of vLLM (``prefix_cache_ci_reads.vllm_reads``), the drafters included."""
 import ast
 
 import pytest
-
-from tests.models.kimi_k3 import prefix_cache_binding as kimi
-from tests.models.kimi_k3.prefix_cache_ci_area import (
+from prefix_cache_ci_area import (
     BINDING_MODULE,
     CPU_KEY,
     MATRIX_MODULE,
@@ -19,8 +17,8 @@ from tests.models.kimi_k3.prefix_cache_ci_area import (
     _step,
     covered,
 )
-from tests.models.kimi_k3.prefix_cache_ci_collect import collect, step_imports
-from tests.models.kimi_k3.prefix_cache_ci_reads import (
+from prefix_cache_ci_collect import collect, step_imports
+from prefix_cache_ci_reads import (
     _imported_modules,
     _module_path,
     _uncovered,
@@ -30,6 +28,8 @@ from tests.models.kimi_k3.prefix_cache_ci_reads import (
     drafter_configs,
     vllm_reads,
 )
+
+from tests.models.kimi_k3 import prefix_cache_binding as kimi
 
 # No distributed state or device in-process: skip vLLM's global cleanup.
 pytestmark = pytest.mark.skip_global_cleanup

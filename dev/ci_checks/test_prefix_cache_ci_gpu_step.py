@@ -7,8 +7,7 @@ import ast
 
 import pytest
 import yaml
-
-from tests.models.kimi_k3.prefix_cache_ci_area import (
+from prefix_cache_ci_area import (
     AREA,
     CHECK_SCRIPT,
     GPU_KEY,
@@ -26,8 +25,8 @@ from tests.models.kimi_k3.prefix_cache_ci_area import (
     scripts,
     setup,
 )
-from tests.models.kimi_k3.prefix_cache_ci_collect import collect, step_imports
-from tests.models.kimi_k3.prefix_cache_ci_reads import (
+from prefix_cache_ci_collect import collect, step_imports
+from prefix_cache_ci_reads import (
     _imported_modules,
     _module_path,
     _uncovered,
@@ -155,10 +154,10 @@ def served_model_files() -> dict[str, str]:
     registry maps them; SpeculativeConfig names the drafter's), and the
     Mamba layers they import."""
     from transformers import AutoConfig
-
-    from tests.models.hybrid_prefix_cache import tiny_hybrid
     from vllm.config.speculative import SpeculativeConfig
     from vllm.model_executor.models.registry import _VLLM_MODELS
+
+    from tests.models.hybrid_prefix_cache import tiny_hybrid
 
     def config():
         values = dict(tiny_hybrid._config("mtp"))

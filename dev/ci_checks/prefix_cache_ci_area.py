@@ -1,17 +1,24 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""This checkout's ``.buildkite/test_areas/models_basic.yaml`` as the CI
-checks read it: steps, their pytest commands and folders, setup, scripts."""
+"""The vLLM checkout's ``.buildkite/test_areas/models_basic.yaml``, with our
+files laid over it, as the CI checks read it: steps, their pytest commands and
+folders, setup, scripts. The checks run from the checkout (dev/suite.sh), so
+the checkout is the working folder; HYBRID_PC_CHECKOUT names another."""
 
+import os
 import re
 import shlex
 from pathlib import Path
 
+import vllm
 import yaml
 
-import vllm
-
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(os.environ.get("HYBRID_PC_CHECKOUT", os.getcwd())).resolve()
+if not (ROOT / ".buildkite/test_areas").is_dir() or not (ROOT / "tests").is_dir():
+    raise RuntimeError(
+        f"{ROOT} is no vLLM checkout: run the CI checks from one "
+        f"(dev/suite.sh does) or name it in HYBRID_PC_CHECKOUT"
+    )
 TESTS = ROOT / "tests"
 AREA = ROOT / ".buildkite/test_areas/models_basic.yaml"
 SCRIPT = ROOT / ".buildkite/scripts/install-kv-connectors.sh"

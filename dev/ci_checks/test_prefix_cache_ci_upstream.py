@@ -11,8 +11,7 @@ import tarfile
 
 import pytest
 import yaml
-
-from tests.models.kimi_k3.prefix_cache_ci_area import (
+from prefix_cache_ci_area import (
     AREA,
     CHECK_SCRIPT,
     CPU_KEY,

@@ -7,7 +7,7 @@ import ast
 import inspect
 import re
 
-from tests.models.kimi_k3.prefix_cache_ci_area import ROOT, VLLM_SOURCE_ROOT, covered
+from prefix_cache_ci_area import ROOT, VLLM_SOURCE_ROOT, covered
 
 # A vLLM path as the suite's text names one: under vllm/, or under one of
 # vLLM's top folders (not models/, which names the suite's tests/models/).

@@ -7,9 +7,8 @@ NIXL wheel variant and the Mooncake build of torch's CUDA version, locked."""
 import re
 
 import pytest
-
-from tests.models.kimi_k3.prefix_cache_ci_area import ROOT
-from tests.models.kimi_k3.prefix_cache_ci_install import (
+from prefix_cache_ci_area import ROOT
+from prefix_cache_ci_install import (
     KV_LOCK,
     MOONCAKE_CASES,
     MOONCAKE_CU12,

@@ -10,8 +10,7 @@ import contextlib
 import shlex
 
 import pytest
-
-from tests.models.kimi_k3.prefix_cache_ci_area import (
+from prefix_cache_ci_area import (
     HARNESS,
     MATRIX_MODULE,
     OUR_KEYS,
@@ -30,7 +29,7 @@ from tests.models.kimi_k3.prefix_cache_ci_area import (
     in_matrix,
     scripts,
 )
-from tests.models.kimi_k3.prefix_cache_ci_collect import (
+from prefix_cache_ci_collect import (
     _COLLECTORS,
     _start,
     collect,

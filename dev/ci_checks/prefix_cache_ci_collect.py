@@ -12,13 +12,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
-from tests.models.kimi_k3.prefix_cache_ci_area import (
+from prefix_cache_ci_area import (
     ROOT,
     SUITE_FOLDERS,
     TESTS,
     _pytest_runs,
     _unsharded,
 )
+
 from tests.models.kimi_k3.prefix_cache_collected import collected_ids
 
 

@@ -8,8 +8,7 @@ import json
 import shutil
 
 import pytest
-
-from tests.models.kimi_k3.prefix_cache_ci_install import (
+from prefix_cache_ci_install import (
     MOONCAKE_CASES,
     MOONCAKE_CU12,
     MOONCAKE_CU13,

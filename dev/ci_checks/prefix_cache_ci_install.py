@@ -12,8 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from tests.models.kimi_k3.prefix_cache_ci_area import ROOT, SCRIPT
+from prefix_cache_ci_area import ROOT, SCRIPT
 
 MOONCAKE_CU12 = "mooncake-transfer-engine"
 MOONCAKE_CU13 = "mooncake-transfer-engine-cuda13"
