@@ -239,7 +239,7 @@ runs=1
 [ "$job" = sensitivity ] && runs=0
 [ "$job" = reproduce ] && runs=0
 for run in $(seq "$runs"); do
-    echo "suite: install-kv-connectors.sh, run $run"
+    echo "suite: install-kv-connectors.sh, run $run (at ${SECONDS}s)"
     bash "$CHECKOUT/.buildkite/scripts/install-kv-connectors.sh"
 done
 if [ "$job" = compare ] && [ -n "$VLLM_ENV" ]; then
@@ -306,7 +306,8 @@ run_followed() {  # run_followed LOG [pytest args...]
     overlay "$FOLLOWED_CHECKOUT"
     followed_version=$(basename "$FOLLOWED_CHECKOUT")
     echo "suite: following vLLM ${followed_version#vllm-}: the tests that need no compiled" \
-        "code, on its Python ($FOLLOWED_OVERLAY) over the pinned wheel's compiled code"
+        "code, on its Python ($FOLLOWED_OVERLAY) over the pinned wheel's compiled code" \
+        "(at ${SECONDS}s)"
     mkdir -p "$HYBRID_PC_REPORT_DIR/followed"
     # Its session.json goes to a folder of its own, beside the pinned run's.
     (cd "$FOLLOWED_CHECKOUT" && PYTHONPATH="$FOLLOWED_OVERLAY${PYTHONPATH:+:$PYTHONPATH}" \
@@ -333,7 +334,7 @@ if [ "$job" = follow ]; then
 fi
 
 if [ "$job" = all ]; then
-    echo "suite: ruff check and ruff format --check on ${#OURS_PY[@]} files"
+    echo "suite: ruff check and ruff format --check on ${#OURS_PY[@]} files (at ${SECONDS}s)"
     # vLLM's pyproject settings apply; its source vllm/ is moved aside here,
     # so say what ruff would infer from it in a real checkout.
     first_party=(--config "lint.isort.known-first-party = ['vllm', 'tests']")
@@ -341,7 +342,7 @@ if [ "$job" = all ]; then
     ruff format --check "${OURS_PY[@]}"
     ruff check --config "$CHECKOUT/pyproject.toml" "$REPO/dev"
     ruff format --check --config "$CHECKOUT/pyproject.toml" "$REPO/dev"
-    echo "suite: the provisioning tests (dev/tests)"
+    echo "suite: the provisioning tests (dev/tests) (at ${SECONDS}s)"
     # Our environment's python: these tests provision with sys.prefix.
     (cd "$REPO" && env -u PYTHONPATH "$VENV/bin/python" -m pytest -v -rA \
         -p no:cacheprovider dev/tests)
@@ -351,9 +352,11 @@ if [ "$job" = all ]; then
     pinned_log="$HYBRID_PC_REPORT_DIR/pytest-pinned.log"
     followed_log="$HYBRID_PC_REPORT_DIR/pytest-followed.log"
     status=0
+    echo "suite: the pinned release's tests (at ${SECONDS}s)"
     python -m pytest -v -s -rA "${ALL_TESTS[@]}" "$@" 2>&1 | tee "$pinned_log" ||
         status=$?
     run_followed "$followed_log" "$@" || status=$?
+    echo "suite: done (at ${SECONDS}s; provisioning took the seconds before the first)"
     say_result "$pinned_log"
     say_result "$followed_log"
     exit "$status"
