@@ -16,6 +16,7 @@ from tests.models.hybrid_prefix_cache.harness import (
     Binding,
     Known,
     Matrix,
+    finding,
     server_specs,
 )
 from tests.models.hybrid_prefix_cache.harness.known import judge_failure
@@ -69,13 +70,11 @@ _UNIT_MINUS1 = Known(
     "differently (by rounding) after a request one token short of a block, "
     "an engine-side path not isolated; findings/unit-minus1.md has the "
     "evidence and a 3-request reproducer",
-    # The oracle's words for a hit apart from its recompute (compare.check_turn).
-    evidence=(
-        "unit-minus1 turn 2: the hit, 1280 tokens restored from the prefix "
-        "cache, differs from its recompute on the same path"
+    # A hit apart from its recompute (compare.check_turn).
+    found=finding(
+        "hit-apart", "unit-minus1 turn 2", restored=1280, control="recompute"
     ),
     geometry=(128, 128),
-    in_record=True,
 )
 
 
@@ -89,13 +88,15 @@ def _lost_at_256(shape: str, turn: int, cached: int, expected: int, prev: int):
         f"of the previous {prev}-token prompt at turn {turn} (cached "
         f"{cached}), which vLLM's own scheduler and KV cache manager hit "
         f"in-process; see _lost_at_256",
-        # The oracle's words for a lost checkpoint (compare.check_turn).
-        evidence=(
-            f"{shape} turn {turn}: cached {cached} < expected checkpoint "
-            f"{expected} of the previous {prev}-token prompt"
+        # A lost checkpoint (compare.check_turn).
+        found=finding(
+            "lost-checkpoint",
+            f"{shape} turn {turn}",
+            cached=cached,
+            expected=expected,
+            previous=prev,
         ),
         geometry=(256, 256),
-        in_record=True,
     )
 
 
@@ -111,13 +112,9 @@ def _branch_apart(hit: int, against: str = "recompute") -> Known:
         "vLLM's scheduler cuts the same 256-token chunks under 384 as "
         "under 256 (findings/small-budget-branch.md); the conversation's "
         "hits and outputs equal the default budget's bit for bit",
-        # The oracle's words for a hit apart from the request on its path.
-        evidence=(
-            "branch turn 0: the hit, 512 tokens restored from the prefix "
-            f"cache, differs from its {against} on the same path"
-        ),
+        # A hit apart from the request on its path (compare.check_turn).
+        found=finding("hit-apart", "branch turn 0", restored=512, control=against),
         geometry=(256, hit),
-        in_record=True,
     )
 
 
@@ -133,13 +130,9 @@ def _aligned_apart_at_128(unit: int, hit: int) -> Known:
         "where the reference shape's hits are exact; vLLM's scheduler "
         "replayed in-process hits the same checkpoints "
         "(test_scheduler_workloads.py test_aligned)",
-        # The oracle's words for a hit apart from its twin on one path.
-        evidence=(
-            f"exact turn 1: the hit, {hit} tokens restored from the prefix "
-            f"cache, differs from its cold twin on the same path"
-        ),
+        # A hit apart from its twin on one path (compare.check_turn).
+        found=finding("hit-apart", "exact turn 1", restored=hit, control="cold twin"),
         geometry=(128, unit),
-        in_record=True,
     )
 
 
@@ -195,12 +188,9 @@ KNOWN: dict[str, tuple[Known, ...]] = {
             "(test_scheduler_workloads.py test_pd_resend[cpu-pd-block]); the "
             "resend is answered, and the decoder, whose own cache holds the "
             "prompt, transfers nothing, as its rule says",
-            # The oracle's words for a resend that misses its checkpoint.
-            evidence=(
-                "resend: cached 0 != 512, the checkpoint of the resent 768-token prompt"
-            ),
+            # A resend that misses its checkpoint (compare.check_turn).
+            found=finding("resend-missed", "resend", cached=0, expected=512, seen=768),
             geometry=(256, 256),
-            in_record=True,
         ),
     ),
     "plain-block-small-budget": (_branch_apart(256),),
@@ -219,13 +209,11 @@ KNOWN: dict[str, tuple[Known, ...]] = {
             "where the reference and sweep shapes are exact; vLLM's scheduler "
             "replayed in-process hits the same checkpoints "
             "(test_scheduler_workloads.py test_aligned[cpu-pd-partial])",
-            # The oracle's words for a hit apart from its twin on one path.
-            evidence=(
-                "exact turn 1: the hit, 704 tokens restored from the prefix "
-                "cache, differs from its cold twin on the same path"
+            # A hit apart from its twin on one path (compare.check_turn).
+            found=finding(
+                "hit-apart", "exact turn 1", restored=704, control="cold twin"
             ),
             geometry=(256, 64),
-            in_record=True,
         ),
         _aligned_apart_at_128(64, 320),
     ),

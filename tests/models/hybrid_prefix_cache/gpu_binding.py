@@ -22,6 +22,7 @@ from tests.models.hybrid_prefix_cache.harness import (
     Units,
     cpu_offload,
     exact_budget,
+    finding,
     kv_connector,
     matrix_modes,
     multi_connector,
@@ -106,11 +107,8 @@ _HOST_FULL_BLOCKS = Known(
     "device cache was reset resumes at the block before it; 0.32's offload "
     "manager takes a Mamba group's partial tail (v1/simple_kv_offload/"
     "manager.py), 0.26's has none",
-    evidence=(
-        "turn 1: cached 240 < expected checkpoint 272 of the previous 277-token prompt"
-    ),
+    found=finding("lost-checkpoint", "turn 1", cached=240, expected=272, previous=277),
     geometry=(80, 16),
-    in_record=True,
     releases="<0.32",
 )
 _PD_SPEC_BLOCKS = Known(
@@ -130,9 +128,8 @@ _HOST_KEEPS_THE_PROOF = Known(
     "drafter's proof unit that the local lookup drops (0.26's offload "
     "scheduler looks up the host blocks without the drop; 0.32's applies "
     "it, as the scheduler tier replays); the outputs equal the recompute's",
-    evidence="resend: cached 1760 != 1680",
+    found=finding("resend-missed", "resend", cached=1760, expected=1680),
     geometry=(80, 80),
-    in_record=True,
     releases="<0.32",
 )
 _PD_RESEND_DIES = Known(
@@ -152,12 +149,8 @@ _DECODER_OWN_TOKEN = Known(
     "the prompt's last token in the decode path, and the hit reads that "
     "token's KV where the twin reads the prefiller's (the CPU tier lists "
     "the same symptom, cpu_known._aligned_apart_at_128)",
-    evidence=(
-        "exact turn 1: the hit, 160 tokens restored from the prefix cache, "
-        "differs from its cold twin on the same path"
-    ),
+    found=finding("hit-apart", "exact turn 1", restored=160, control="cold twin"),
     geometry=(80, 80),
-    in_record=True,
 )
 
 
@@ -166,9 +159,8 @@ def _decoder_own_token(geometry: tuple[int, int], restored: int) -> Known:
     (0.34.0 on an H100: findings/gpu-tier-0.34.md)."""
     return replace(
         _DECODER_OWN_TOKEN,
-        evidence=(
-            f"exact turn 1: the hit, {restored} tokens restored from the prefix "
-            f"cache, differs from its cold twin on the same path"
+        found=finding(
+            "hit-apart", "exact turn 1", restored=restored, control="cold twin"
         ),
         geometry=geometry,
     )
@@ -182,11 +174,8 @@ _DRAFTER_CHECKPOINT_MISSING = Known(
     "get_mamba_prefill_checkpoint_position; 0.26 has none), so the hit "
     "falls back to the last block's state; the outputs equal the "
     "recompute's",
-    evidence=(
-        "turn 1: cached 240 < expected checkpoint 256 of the previous 277-token prompt"
-    ),
+    found=finding("lost-checkpoint", "turn 1", cached=240, expected=256, previous=277),
     geometry=(80, 16),
-    in_record=True,
     releases="<0.32",
 )
 KNOWN: dict = {
@@ -196,9 +185,8 @@ KNOWN: dict = {
         replace(
             _HOST_FULL_BLOCKS,
             # The drafter's rule puts the checkpoint a unit lower.
-            evidence=(
-                "turn 1: cached 240 < expected checkpoint 256 of the previous "
-                "277-token prompt"
+            found=finding(
+                "lost-checkpoint", "turn 1", cached=240, expected=256, previous=277
             ),
         ),
     ),

@@ -38,7 +38,7 @@ def cpu_engines(
                 known
                 for entries in cpu_known.KNOWN.values()
                 for known in entries
-                if known.kind == "unsupported" and known.evidence in str(e)
+                if known.kind == "unsupported" and known.shown(str(e))
             ]
             if not unsupported:
                 raise

@@ -6,7 +6,7 @@ that stops a case, and how records explain and print. No server, any
 platform."""
 
 import json
-from dataclasses import replace
+from dataclasses import FrozenInstanceError, replace
 
 import pytest
 
@@ -19,6 +19,7 @@ from tests.models.hybrid_prefix_cache.harness import (
     ServerPool,
     Suite,
     Units,
+    finding,
     run_case,
 )
 from tests.models.hybrid_prefix_cache.harness.compare import (
@@ -29,7 +30,12 @@ from tests.models.hybrid_prefix_cache.harness.compare import (
 from tests.models.hybrid_prefix_cache.harness.deployment import (
     select_known,
 )
-from tests.models.hybrid_prefix_cache.harness.known import evidence_shown
+from tests.models.hybrid_prefix_cache.harness.known import (
+    STALE,
+    evidence_shown,
+    judge_failure,
+)
+from tests.models.hybrid_prefix_cache.harness.problems import Problem
 from tests.models.hybrid_prefix_cache.harness.servers import (
     REPORT_DIR_ENV,
     ServerError,
@@ -267,12 +273,73 @@ def test_records_and_suites_print_in_one_line():
 
 
 def test_a_known_bug_stops_its_case_once_its_evidence_shows():
-    bug = Known("xfail", "a bug", evidence="turn 1: cached 0", in_record=True)
+    found = finding("lost-checkpoint", "exact turn 1", cached=0, expected=512)
+    bug = Known("xfail", "a bug", found=found)
+    lost = Problem(
+        "exact turn 1: cached 0 < expected checkpoint 512",
+        "lost-checkpoint",
+        "exact turn 1",
+        cached=0,
+        expected=512,
+        previous=768,
+    )
     assert not evidence_shown(bug, ["turn 0: fine"])
-    assert evidence_shown(bug, ["exact turn 1: cached 0 < expected checkpoint 512"])
+    assert evidence_shown(bug, [lost])
+    # The same words without the finding, or the finding at other numbers: not it.
+    assert not evidence_shown(bug, [str(lost)])
+    other = Problem(str(lost), lost.kind, lost.where, **{**lost.numbers, "cached": 256})
+    assert not evidence_shown(bug, [other])
     # A crash, a refusal, no entry: every turn is played.
     crash = Known("xfail", "a crash", evidence="Traceback")
     assert not evidence_shown(crash, ["Traceback"])
-    refusal = Known("unsupported", "refused", evidence="x", in_record=True)
-    assert not evidence_shown(refusal, ["x"])
-    assert not evidence_shown(None, ["x"])
+    refusal = Known("unsupported", "refused", found=found)
+    assert not evidence_shown(refusal, [lost])
+    assert not evidence_shown(None, [lost])
+
+
+def test_a_finding_is_matched_on_its_kind_and_numbers_not_its_words():
+    """A known failure of the record names what a check finds; the check's
+    sentence can change and the verdict stays, and numbers that are not the
+    ones found make the table stale."""
+    lost = Problem(
+        "reworded: nothing hit where 512 was due",
+        "lost-checkpoint",
+        "exact turn 1",
+        cached=0,
+        expected=512,
+        previous=768,
+    )
+    entry = Known(
+        "xfail", "lost", found=finding("lost-checkpoint", "exact turn 1", cached=0)
+    )
+    assert (
+        judge_failure("c", entry, str(lost), problems=[lost]).verdict == "known xfail"
+    )
+    wrong = replace(entry, found=finding("lost-checkpoint", "exact turn 1", cached=256))
+    stale = judge_failure("c", wrong, str(lost), problems=[lost])
+    assert stale.verdict == STALE
+    assert "lost-checkpoint at exact turn 1 (cached 256)" in stale.message
+    with pytest.raises(ValueError, match="numbers"):
+        Problem("x", "lost-checkpoint", "turn 1", cached=0)
+    with pytest.raises(ValueError, match="no check finds"):
+        finding("lost-checkpoint", "turn 1", restored=0)
+    with pytest.raises(ValueError, match="either"):
+        Known("xfail", "both", evidence="x", found=entry.found)
+
+
+def test_a_played_turn_is_final(tmp_path, monkeypatch):
+    """The record keeps each turn as played: nothing adds a problem to it or
+    changes it after the case ended; the live turn is not the record's."""
+    monkeypatch.setenv(REPORT_DIR_ENV, str(tmp_path))
+    turn = Turn("conv", 1, 900, 700, 512, bound=640, prompt=[5] * 900)
+    with case_session("c") as case:
+        case.units = Units(block=256, hit=256)
+        case.turns.append(turn)
+    assert case.record is not None
+    (played,) = case.record.turns
+    with pytest.raises(AttributeError):
+        played.problems.append("found after the verdict")
+    with pytest.raises(FrozenInstanceError, match="its record is final"):
+        played.expected = 0
+    turn.problems.append("found after the verdict")
+    assert case.record.ok and not played.problems

@@ -41,7 +41,7 @@ KNOWN: dict[tuple[str, str], harness.Known] = {
         "(kimi-offload-partial) and after an unaligned prompt (the "
         "reference turns, as on B200). The offload scheduler's store of "
         "that state under DCP (offloading/scheduler.py) is where to look",
-        evidence="exact turn 1: vLLM's scheduler hits 0,",
+        found=harness.finding("scheduler-hit", "exact turn 1", hit=0),
         # 0.34.0's scheduler restores it (a strict XPASS there).
         releases=kimi.HOST_LOSS_RELEASES,
     ),

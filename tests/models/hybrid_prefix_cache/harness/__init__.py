@@ -10,8 +10,8 @@ model (:class:`Binding`), lists what to deploy and how to match
     assert record.ok, record.explain()
 
 This facade holds only what a binding uses. Every other name lives in the
-module named for what it owns, each importing only those before it: rules,
-deployment, compare, paths, transfer, reconcile, known, clock, servers,
+module named for what it owns, each importing only those before it: problems,
+rules, deployment, compare, paths, transfer, reconcile, known, clock, servers,
 client, window, conversation, records, session, cases, workload (the
 workloads themselves are the ``workloads`` package), matrix; plugin.
 """
@@ -38,6 +38,7 @@ from tests.models.hybrid_prefix_cache.harness.matrix import (
     case_seconds,
     servers_mark,
 )
+from tests.models.hybrid_prefix_cache.harness.problems import Finding, finding
 from tests.models.hybrid_prefix_cache.harness.records import CaseRecord
 from tests.models.hybrid_prefix_cache.harness.rules import (
     Drafting,
@@ -56,6 +57,7 @@ __all__ = [
     "CaseRecord",
     "Deployment",
     "Drafting",
+    "Finding",
     "InProcess",
     "Instance",
     "Known",
@@ -70,6 +72,7 @@ __all__ = [
     "case_seconds",
     "cpu_offload",
     "exact_budget",
+    "finding",
     "holds_for",
     "kv_connector",
     "matrix_modes",

@@ -161,7 +161,7 @@ def run_case(
             if evidence_shown(case.entry, [p for t in case.turns for p in t.problems]):
                 case.notices.append(
                     f"stopped after {case.turns[-1].name}: the known failure's "
-                    f"evidence showed ({case.entry.evidence!r})"
+                    f"evidence showed ({case.entry.expects})"
                 )
                 break
         finish_turns(play, case.turns)

@@ -5,9 +5,10 @@ against the request on its numerical path (:func:`check_turn`). Pure; the
 cross-path comparisons are in paths.py."""
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import FrozenInstanceError, dataclass, field, replace
 
 from tests.models.hybrid_prefix_cache.harness.deployment import Units
+from tests.models.hybrid_prefix_cache.harness.problems import Problem
 from tests.models.hybrid_prefix_cache.harness.rules import (
     impossible_hit,
     seen_lengths,
@@ -108,6 +109,21 @@ class Turn:
     # as played, for the record and the reproducer
     prompt: list[int] = field(default_factory=list, repr=False)
     salt: str = ""
+    # set by played(): the record's copy, which nothing writes again
+    done: bool = field(default=False, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value) -> None:
+        if self.__dict__.get("done"):
+            raise FrozenInstanceError(f"{self.name} was played: its record is final")
+        super().__setattr__(name, value)
+
+    def played(self) -> "Turn":
+        """The turn as its record keeps it: a copy whose fields and lists no
+        check can change any more (a problem added later is refused)."""
+        sequences = ("more_controls", "problems", "notices", "comparisons", "prompt")
+        return replace(
+            self, **{name: tuple(getattr(self, name)) for name in sequences}, done=True
+        )
 
     @property
     def name(self) -> str:
@@ -241,10 +257,17 @@ def _resend_problems(turn: Turn, units: Units, drops_unit: bool) -> list[str]:
         return []
     _, seen = seen_lengths(turn.prev_len, turn.prompt_len, turn.backoff)
     return [
-        f"{turn.name}: cached {cached} != {turn.expected}, the checkpoint of "
-        f"the resent {seen}-token prompt by vLLM's rule (v1/kv_cache_interface"
-        f".py get_mamba_prefill_checkpoint_position, hit unit {units.hit}, "
-        f"drafter drops a unit: {drops_unit})"
+        Problem(
+            f"{turn.name}: cached {cached} != {turn.expected}, the checkpoint of "
+            f"the resent {seen}-token prompt by vLLM's rule (v1/kv_cache_interface"
+            f".py get_mamba_prefill_checkpoint_position, hit unit {units.hit}, "
+            f"drafter drops a unit: {drops_unit})",
+            "resend-missed",
+            turn.name,
+            cached=cached,
+            expected=turn.expected,
+            seen=seen,
+        )
     ]
 
 
@@ -291,9 +314,16 @@ def check_turn(
     elif out.cached_tokens < turn.expected:
         vacuous = " (no hit at all)" if out.cached_tokens == 0 else ""
         turn.problems.append(
-            f"{name}: cached {out.cached_tokens} < expected checkpoint "
-            f"{turn.expected} of the previous {turn.prev_len}-token prompt "
-            f"(hit unit {units.hit}): a checkpoint was lost{vacuous}"
+            Problem(
+                f"{name}: cached {out.cached_tokens} < expected checkpoint "
+                f"{turn.expected} of the previous {turn.prev_len}-token prompt "
+                f"(hit unit {units.hit}): a checkpoint was lost{vacuous}",
+                "lost-checkpoint",
+                name,
+                cached=out.cached_tokens,
+                expected=turn.expected,
+                previous=turn.prev_len,
+            )
         )
     elif out.cached_tokens > turn.expected:
         turn.notices.append(
@@ -318,9 +348,15 @@ def check_turn(
         turn.problems.append(_batch_problem(turn, why))
     elif turn.restored:
         turn.problems.append(
-            f"{name}: the hit, {turn.restored} tokens restored from the prefix "
-            f"cache, differs from its {other} on the same path, {why}: the "
-            f"restored state is wrong"
+            Problem(
+                f"{name}: the hit, {turn.restored} tokens restored from the "
+                f"prefix cache, differs from its {other} on the same path, {why}: "
+                f"the restored state is wrong",
+                "hit-apart",
+                name,
+                restored=turn.restored,
+                control=other,
+            )
         )
     else:
         turn.problems.append(

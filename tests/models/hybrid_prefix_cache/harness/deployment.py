@@ -11,6 +11,7 @@ from math import lcm
 from packaging.version import Version
 
 from tests.models.hybrid_prefix_cache.harness import rules
+from tests.models.hybrid_prefix_cache.harness.problems import Finding
 from tests.models.hybrid_prefix_cache.harness.rules import PD_PREFILL_BACKOFF
 
 
@@ -243,7 +244,9 @@ class Units:
 
 @dataclass(frozen=True)
 class Known:
-    """A cell that cannot pass and the text its failure must contain. ``kind``:
+    """A cell that cannot pass and what its failure must show: ``evidence``,
+    the text vLLM prints (a crash, a refusal), or ``found``, what a check of
+    the record finds (its kind, turn and numbers; harness.problems). ``kind``:
     "xfail" (a vLLM bug; strict) or "unsupported" (the server refuses; skip).
     ``geometry``: the (block, hit unit) it needs. ``confirmed_by``: the one case
     confirming a shared failure. ``at_config``: refused while building the
@@ -251,20 +254,38 @@ class Known:
 
     kind: str
     reason: str
-    evidence: str
+    evidence: str = ""
+    found: Finding | None = None
     geometry: tuple[int, int] | None = None
     confirmed_by: str | None = None
     at_config: bool = False
-    in_record: bool = False
     releases: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("xfail", "unsupported"):
             raise ValueError(f"unknown kind of known failure: {self.kind!r}")
+        if bool(self.evidence) == (self.found is not None):
+            raise ValueError("a known failure shows either vLLM's text or a finding")
         if self.at_config and self.kind != "unsupported":
             raise ValueError("only a refusal can be confirmed at config time")
         if self.at_config and self.in_record:
             raise ValueError("a refusal at config time leaves no record")
+
+    @property
+    def in_record(self) -> bool:
+        """Whether a check of the record shows it (a finding)."""
+        return self.found is not None
+
+    @property
+    def expects(self) -> str:
+        """What it must show, for messages."""
+        return repr(self.evidence) if self.found is None else str(self.found)
+
+    def shown(self, text: str, problems: Sequence[str] = ()) -> bool:
+        """Whether a failure that says ``text`` and found ``problems`` shows it."""
+        if self.found is None:
+            return self.evidence in text
+        return any(self.found.shown_by(problem) for problem in problems)
 
     @property
     def arrives(self) -> str:

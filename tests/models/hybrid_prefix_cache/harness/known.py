@@ -4,6 +4,7 @@
 its evidence (else the table is stale), and a listed pass is a strict XPASS.
 A judgment is decided first and enacted after the case's record is written."""
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -34,21 +35,26 @@ class Judgment:
 
 
 def judge_failure(
-    case_id: str, entry: Known, text: str, shown: str | None = None
+    case_id: str,
+    entry: Known,
+    text: str,
+    shown: str | None = None,
+    problems: Sequence[str] = (),
 ) -> Judgment:
-    """A listed case failed with ``text``; a stale table's message says
-    ``shown`` (the problems, and the logs by path), else ``text``."""
-    if entry.evidence not in text:
+    """A listed case failed with ``text`` and found ``problems``; a stale
+    table's message says ``shown`` (the problems, and the logs by path), else
+    ``text``."""
+    if not entry.shown(text, problems):
         return Judgment(
             STALE,
             f"{case_id} is listed as {entry.kind} ({entry.reason}) and "
-            f"failed, but without {entry.evidence!r}: update the table.\n"
+            f"failed, but without {entry.expects}: update the table.\n"
             + (text if shown is None else shown),
         )
     if entry.kind == "unsupported":
-        seen = f"{entry.reason} (confirmed: {entry.evidence!r})"
+        seen = f"{entry.reason} (confirmed: {entry.expects})"
     else:
-        seen = f"{entry.reason} (seen: {entry.evidence!r})"
+        seen = f"{entry.reason} (seen: {entry.expects})"
     return Judgment(KNOWN_VERDICTS[entry.kind], seen)
 
 
@@ -61,11 +67,11 @@ def judge_pass(case_id: str, entry: Known) -> Judgment:
 
 
 def evidence_shown(entry: Known | None, problems: list[str]) -> bool:
-    """Where a known bug's evidence is a turn's problem (``in_record``), whether
+    """Where a known bug shows in a turn's problems (``found``), whether
     ``problems`` show it: later turns would change nothing."""
     if entry is None or entry.kind != "xfail" or not entry.in_record:
         return False
-    return any(entry.evidence in problem for problem in problems)
+    return entry.shown("", problems)
 
 
 def judge_confirmed_elsewhere(entries: tuple[Known, ...]) -> None:

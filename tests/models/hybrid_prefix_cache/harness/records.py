@@ -18,7 +18,13 @@ from tests.models.hybrid_prefix_cache.harness.compare import (
 )
 from tests.models.hybrid_prefix_cache.harness.deployment import Units
 from tests.models.hybrid_prefix_cache.harness.paths import PathNoise
+from tests.models.hybrid_prefix_cache.harness.problems import Problem
 from tests.models.hybrid_prefix_cache.harness.servers import report_folder
+
+
+def _findings(problems: Sequence[str]) -> list[dict]:
+    """What the checks found, for a known failure's entry (harness.problems)."""
+    return [p.as_json() for p in problems if isinstance(p, Problem) and p.kind]
 
 
 def _gap(comparison: Comparison | None) -> str:
@@ -192,10 +198,11 @@ class CaseRecord(CaseProblems):
                     "comparisons": [
                         {**vars(c), "judged": c.judged} for c in t.comparisons
                     ],
-                    "problems": t.problems,
-                    "notices": t.notices,
+                    "problems": list(t.problems),
+                    "findings": _findings(t.problems),
+                    "notices": list(t.notices),
                     "salt": t.salt,
-                    "prompt": t.prompt,
+                    "prompt": list(t.prompt),
                 }
                 for t in self.turns
             ],
@@ -204,6 +211,7 @@ class CaseRecord(CaseProblems):
             else {**vars(self.noise), "tolerance": self.noise.tolerance},
             "metrics_deltas": dict(self.metrics),
             "problems": list(self.problems),
+            "findings": _findings(self.problems),
             "notices": list(self.notices),
             "serve": None if self.serve is None else dict(self.serve),
         }

@@ -79,7 +79,7 @@ class CaseSession(CaseProblems):
             self.case_id,
             test=self.test,
             units=self.units,
-            turns=tuple(self.turns),
+            turns=tuple(turn.played() for turn in self.turns),
             metrics=dict(self.metrics),
             problems=tuple(self.problems),
             notices=tuple(self.notices),
@@ -143,6 +143,7 @@ def judge(case: CaseSession, error: BaseException | None) -> Judgment | None:
             entry,
             failure_text(case, error),
             failure_summary(case, error),
+            case.failures(),
         )
     return judge_pass(case.case_id, entry)
 

@@ -122,7 +122,9 @@ class ReplayCell:
         text += f"(vLLM: {workload.rule}):\n" + "\n".join(problems)
         known = self.known.get(workload.name)
         if known is not None:
-            judgment = judge_failure(f"{self.cell_id}-{workload.name}", known, text)
+            judgment = judge_failure(
+                f"{self.cell_id}-{workload.name}", known, text, problems=problems
+            )
             if judgment.verdict != STALE:
                 judgment.enact()
             # Not an AssertionError: replay() would judge it again.

@@ -6,6 +6,7 @@ reads, each turn's hit against its expectation, each server's counters."""
 from collections.abc import Sequence
 
 from tests.models.hybrid_prefix_cache import harness
+from tests.models.hybrid_prefix_cache.harness.problems import Problem
 from tests.models.hybrid_prefix_cache.scheduler.engine import Engine
 from tests.models.hybrid_prefix_cache.scheduler.play import TurnResult, units_of
 from tests.models.hybrid_prefix_cache.scheduler.servers import ReplayServer
@@ -54,10 +55,16 @@ def turn_problems(
         )
         if result.hit != expected:
             problems.append(
-                f"{name}: vLLM's scheduler hits {result.hit}, the harness expects "
-                f"{expected} (prompt {turn.prompt_len}, previous {turn.prev_len}, "
-                f"hit unit {units.hit}, drafter {rule}, "
-                f"backoff {backoff})"
+                Problem(
+                    f"{name}: vLLM's scheduler hits {result.hit}, the harness "
+                    f"expects {expected} (prompt {turn.prompt_len}, previous "
+                    f"{turn.prev_len}, hit unit {units.hit}, drafter {rule}, "
+                    f"backoff {backoff})",
+                    "scheduler-hit",
+                    name,
+                    hit=result.hit,
+                    expected=expected,
+                )
             )
         prev_seen = max(turn.prev_len - backoff, 0)
         why = harness.rules.impossible_hit(

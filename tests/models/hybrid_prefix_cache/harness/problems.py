@@ -1,0 +1,75 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""What a check found, as a value: a :class:`Problem` is the sentence people
+read, and carries its kind, the turn it is about and its numbers, which a
+known failure's :class:`Finding` matches; rewording the sentence changes no
+verdict."""
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+# The kinds a known failure can name, each with the numbers its check gives.
+KINDS = {
+    # The hit is below the previous prompt's last checkpoint.
+    "lost-checkpoint": ("cached", "expected", "previous"),
+    # A resend does not hit its own prompt's checkpoint.
+    "resend-missed": ("cached", "expected", "seen"),
+    # A hit that restored state differs from its control on its own path.
+    "hit-apart": ("restored", "control"),
+    # vLLM's scheduler, replayed in-process, hits otherwise than expected.
+    "scheduler-hit": ("hit", "expected"),
+}
+
+
+class Problem(str):
+    """A check's finding: the text is the sentence (so a problem reads, joins
+    and is written as one); ``kind``, ``where`` and ``numbers`` are what a
+    :class:`Finding` matches. A problem of no kind is matched by no finding."""
+
+    kind: str
+    where: str
+    numbers: Mapping[str, object]
+
+    def __new__(
+        cls, text: str, kind: str = "", where: str = "", **numbers: object
+    ) -> "Problem":
+        if kind and (kind not in KINDS or set(numbers) != set(KINDS[kind])):
+            raise ValueError(
+                f"{kind}: its numbers are {KINDS.get(kind)}, not {numbers}"
+            )
+        problem = super().__new__(cls, text)
+        problem.kind, problem.where, problem.numbers = kind, where, dict(numbers)
+        return problem
+
+    def as_json(self) -> dict:
+        return {"kind": self.kind, "where": self.where, "numbers": dict(self.numbers)}
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What a known failure's record shows: a problem of ``kind`` about the turn
+    ``where``, with at least ``numbers`` (name, value) among its numbers."""
+
+    kind: str
+    where: str
+    numbers: tuple[tuple[str, object], ...]
+
+    def __post_init__(self) -> None:
+        unknown = {name for name, _ in self.numbers} - set(KINDS.get(self.kind, ()))
+        if self.kind not in KINDS or unknown:
+            raise ValueError(f"no check finds {self.kind} with {sorted(unknown)}")
+
+    def shown_by(self, problem: str) -> bool:
+        if not isinstance(problem, Problem) or problem.kind != self.kind:
+            return False
+        if problem.where != self.where:
+            return False
+        return all(problem.numbers.get(k) == v for k, v in self.numbers)
+
+    def __str__(self) -> str:
+        numbers = ", ".join(f"{name} {value}" for name, value in self.numbers)
+        return f"{self.kind} at {self.where} ({numbers})"
+
+
+def finding(kind: str, where: str, **numbers: object) -> Finding:
+    return Finding(kind, where, tuple(numbers.items()))
