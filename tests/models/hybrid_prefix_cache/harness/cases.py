@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from tests.models.hybrid_prefix_cache.harness.client import cache_config, send
+from tests.models.hybrid_prefix_cache.harness.client import cache_config, send_checked
 from tests.models.hybrid_prefix_cache.harness.compare import Turn
 from tests.models.hybrid_prefix_cache.harness.conversation import (
     Conversation,
@@ -100,9 +100,6 @@ def serve_case(
         # Not on pytest's skip/xfail outcomes: those leave servers sound.
         pool.close()
         raise
-    finally:
-        if case.window is not None:
-            case.window.detach()
 
 
 def _conversations(
@@ -195,7 +192,8 @@ def run_resend(
         salt = fresh_salt("resend")
         cold = Turn("", 0, prompt_len, 0, 0, prompt=prompt, salt=salt)
         case.turns.append(cold)
-        cold.output = send(play.servers, binding.model, prompt, salt, cold.problems)
+        cold.output, found = send_checked(play.servers, binding.model, prompt, salt)
+        cold.problems += found
         if cold.output.cached_tokens != 0:
             cold.problems.append(
                 f"cold request: cached {cold.output.cached_tokens}, expected 0"

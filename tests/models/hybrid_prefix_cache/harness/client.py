@@ -238,7 +238,7 @@ def _answered(
     server: Server, response: requests.Response, kv_transfer_params: dict | None
 ) -> Sample:
     """The sample of a completion that ``server`` answered, booked on the
-    counter window that holds the server."""
+    server (Server.book_answer) for the counter window of its case."""
     if response.status_code != 200:
         raise _request_failure(
             server,
@@ -256,8 +256,7 @@ def _answered(
     entry = ledger_entry(
         usage["prompt_tokens"], details["cached_tokens"], kv_transfer_params
     )
-    if server.on_answer is not None:
-        server.on_answer(entry)
+    server.book_answer(entry)
     logprobs = choice["logprobs"]
     return Sample(
         token_ids=[_token_id(t) for t in logprobs["tokens"]],
@@ -297,24 +296,36 @@ def poll_counter(
 
 
 def send(
-    servers: Sequence[Server],
-    model: str,
-    prompt: Sequence[int],
-    salt: str,
-    problems: list[str] | None = None,
+    servers: Sequence[Server], model: str, prompt: Sequence[int], salt: str
 ) -> Sample:
     """One turn's request through the deployment.
 
     With a prefiller (``servers`` = prefiller, decoder), the prefiller
     computes the prompt and keeps its KV for the decoder; the decoder then
     pulls it over the KV connector and generates. The hit is the
-    prefiller's: that is where the prefix cache is consulted. When
-    ``problems`` is given (requests sent one at a time), the decoder must
-    also count a NIXL transfer for the request and report the prefiller's
-    hit as its cached prefix.
+    prefiller's: that is where the prefix cache is consulted.
     """
+    return _send(servers, model, prompt, salt, check_decoder=False)[0]
+
+
+def send_checked(
+    servers: Sequence[Server], model: str, prompt: Sequence[int], salt: str
+) -> tuple[Sample, list[str]]:
+    """:func:`send`, one request at a time, and its problems: under P/D the
+    decoder must count a NIXL transfer for the request and report the
+    prefiller's hit as its cached prefix."""
+    return _send(servers, model, prompt, salt, check_decoder=True)
+
+
+def _send(
+    servers: Sequence[Server],
+    model: str,
+    prompt: Sequence[int],
+    salt: str,
+    check_decoder: bool,
+) -> tuple[Sample, list[str]]:
     if len(servers) == 1:
-        return complete(servers[0], model, prompt, salt)
+        return complete(servers[0], model, prompt, salt), []
     prefiller, decoder = servers
     prefill = complete(
         prefiller,
@@ -328,7 +339,7 @@ def send(
         raise AssertionError(
             f"the prefiller {prefiller.url_root} returned no kv_transfer_params"
         )
-    before = read_counters(decoder) if problems is not None else {}
+    before = read_counters(decoder) if check_decoder else {}
     decode = complete(
         decoder,
         model,
@@ -336,10 +347,9 @@ def send(
         salt,
         kv_transfer_params=prefill.kv_transfer_params,
     )
-    decoder_hit = None
-    if problems is not None:
-        found, decoder_hit = _decoder_leg(decoder, before, len(prompt), prefill)
-        problems += found
+    decoder_hit, problems = None, []
+    if check_decoder:
+        problems, decoder_hit = _decoder_leg(decoder, before, len(prompt), prefill)
         reported = decoder_reported_cached(len(prompt), prefill.cached_tokens)
         if decode.cached_tokens != reported:
             problems.append(
@@ -347,7 +357,10 @@ def send(
                 f"the prefiller hit {prefill.cached_tokens}, and vLLM's rule "
                 f"(rules.decoder_reported_cached) gives {reported}"
             )
-    return replace(decode, cached_tokens=prefill.cached_tokens, decoder_hit=decoder_hit)
+    sample = replace(
+        decode, cached_tokens=prefill.cached_tokens, decoder_hit=decoder_hit
+    )
+    return sample, problems
 
 
 def _decoder_leg(

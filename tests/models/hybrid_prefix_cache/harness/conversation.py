@@ -16,6 +16,7 @@ from tests.models.hybrid_prefix_cache.harness.client import (
     read_counters,
     reset_prefix_caches,
     send,
+    send_checked,
 )
 from tests.models.hybrid_prefix_cache.harness.clock import phase
 from tests.models.hybrid_prefix_cache.harness.compare import Turn, check_turn
@@ -151,7 +152,8 @@ def send_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
     if play.deployment.offload:
         reset_prefix_caches(servers)
         before = read_counters(servers[0])[EXTERNAL_HITS]
-    turn.output = send(servers, model, prompt, salt, turn.problems)
+    turn.output, found = send_checked(servers, model, prompt, salt)
+    turn.problems += found
     if play.binding.exact_on_blocks:
         # an off-grid resume's rounding carries into the salt's later states
         if turn.output.cached_tokens % (play.binding.exact_grid or play.units.block):
@@ -167,8 +169,12 @@ def send_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
                 f"offload tier"
             )
     if len(servers) > 1 or (play.batched and not play.invariant):
-        twin_problems = None if play.batched else turn.problems
-        turn.twin = send(servers, model, prompt, fresh_salt("twin"), twin_problems)
+        twin_salt = fresh_salt("twin")
+        if play.batched:  # sent at once: no transfer is the twin's alone
+            turn.twin = send(servers, model, prompt, twin_salt)
+        else:
+            turn.twin, found = send_checked(servers, model, prompt, twin_salt)
+            turn.problems += found
     turn.seconds += time.monotonic() - start
 
 

@@ -11,7 +11,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,8 +166,10 @@ class Server(RemoteOpenAIServer):
         self.log_path = log_folder() / f"{spec.name}-{uuid.uuid4().hex[:8]}.log"
         self.launched = time.monotonic()
         self.startup_seconds: float | None = None
-        # Set by the counter window of the case that holds the server.
-        self.on_answer: Callable[[Ledger], None] | None = None
+        # Every completion it answered, as the client books it (book_answer);
+        # a case's counter window reads those since it opened.
+        self._answers: list[Ledger] = []
+        self._answers_lock = threading.Lock()
         # Every process seen in the server's group while it ran.
         self.seen_pids: set[int] = set()
         self._launched = launched
@@ -242,6 +244,20 @@ class Server(RemoteOpenAIServer):
         except Exception as e:  # NVML missing or refused: the helper's own
             print(f"[{self.spec.name}] no per-process GPU memory ({e})")
             return super()._get_gpu_memory_used()
+
+    def book_answer(self, entry: Ledger) -> None:
+        """A completion this server answered (from any client thread)."""
+        with self._answers_lock:
+            self._answers.append(entry)
+
+    def answers(self) -> int:
+        """How many completions it answered: a mark for :meth:`answered_since`."""
+        with self._answers_lock:
+            return len(self._answers)
+
+    def answered_since(self, mark: int) -> Ledger:
+        with self._answers_lock:
+            return sum(self._answers[mark:], Ledger())
 
     def pids(self) -> list[int]:
         """Live processes of the server's group (kept in ``seen_pids``)."""

@@ -2,10 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """A case's counter window, owned by its session: each server's counters at
 its start (:func:`open_window`), the completions its servers answered while it
-was open and what the case knows their engines saw unanswered, reconciled at
-its end (:func:`close_window`)."""
+was open (each server books its own) and what the case knows their engines
+saw unanswered, reconciled at its end (:func:`close_window`)."""
 
-import functools
 import threading
 import time
 from collections.abc import Sequence
@@ -32,23 +31,18 @@ from tests.models.hybrid_prefix_cache.harness.servers import Server
 
 @dataclass
 class Window:
-    """Counters of a case's servers at its start; what each answered since
-    (booked by the client, from any thread), and the requests their engines
-    saw that no completion answered (an abort)."""
+    """Counters of a case's servers at its start, and how many completions
+    each had answered then (Server.answers); the requests their engines saw
+    that no completion answered (an abort), booked by the case."""
 
     servers: Sequence[Server]
     counters: list[dict[str, float | None]]
-    answered: list[Ledger] = field(default_factory=list)
+    marks: list[int] = field(default_factory=list)
     unanswered: list[Ledger] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _index(self, server: Server) -> int:
         return next(i for i, s in enumerate(self.servers) if s is server)
-
-    def book_answered(self, server: Server, entry: Ledger) -> None:
-        with self._lock:
-            index = self._index(server)
-            self.answered[index] = self.answered[index] + entry
 
     def book_unanswered(self, server: Server, entry: Ledger) -> None:
         """A request ``server``'s engine saw but never answered."""
@@ -56,21 +50,18 @@ class Window:
             index = self._index(server)
             self.unanswered[index] = self.unanswered[index] + entry
 
-    def detach(self) -> None:
-        for server in self.servers:
-            server.on_answer = None
+    def answered(self, index: int) -> Ledger:
+        """What the ``index``-th server answered since the window opened."""
+        return self.servers[index].answered_since(self.marks[index])
 
 
 def open_window(servers: Sequence[Server]) -> Window:
-    window = Window(
+    return Window(
         servers,
         [read_counters(server) for server in servers],
-        [Ledger() for _ in servers],
+        [server.answers() for server in servers],
         [Ledger() for _ in servers],
     )
-    for server in servers:
-        server.on_answer = functools.partial(window.book_answered, server)
-    return window
 
 
 def close_window(
@@ -86,7 +77,7 @@ def close_window(
     for index, server in enumerate(window.servers):
         spec = server.spec
         name = spec.name
-        ledger = window.answered[index] + window.unanswered[index]
+        ledger = window.answered(index) + window.unanswered[index]
         before = window.counters[index]
 
         def check(

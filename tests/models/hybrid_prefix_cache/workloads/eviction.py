@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tests.models.hybrid_prefix_cache.harness.cases import serve_case
-from tests.models.hybrid_prefix_cache.harness.client import MAX_TOKENS, send
+from tests.models.hybrid_prefix_cache.harness.client import MAX_TOKENS, send_checked
 from tests.models.hybrid_prefix_cache.harness.compare import Turn
 from tests.models.hybrid_prefix_cache.harness.conversation import (
     finish_turns,
@@ -123,9 +123,10 @@ def play(run: WorkloadRun) -> CaseRecord:
             salt = fresh_salt("eviction")
             first = Turn("first", 0, first_len, 0, 0, prompt=prompt, salt=salt)
             case.turns.append(first)
-            first.output = send(
-                play.servers, binding.model, prompt, salt, first.problems
+            first.output, found = send_checked(
+                play.servers, binding.model, prompt, salt
             )
+            first.problems += found
             grown = grown_prompt(rng, tokens, prompt, first.output.token_ids)
             filler = eviction_filler(play.units)
             for index in range(plan_.pressure):
@@ -133,9 +134,10 @@ def play(run: WorkloadRun) -> CaseRecord:
                 pressure = Turn("pressure", index, filler, 0, 0, prompt=other)
                 pressure.salt = fresh_salt("pressure")
                 case.turns.append(pressure)
-                pressure.output = send(
-                    play.servers, binding.model, other, pressure.salt, pressure.problems
+                pressure.output, found = send_checked(
+                    play.servers, binding.model, other, pressure.salt
                 )
+                pressure.problems += found
             turn = planned_turn(play, "evicted", PlannedTurn(1, len(grown), first_len))
             turn.expected, turn.bound = plan_.hit, min(plan_.held)
             case.turns.append(turn)
