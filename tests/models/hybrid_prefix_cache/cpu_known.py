@@ -100,20 +100,21 @@ def _lost_at_256(shape: str, turn: int, cached: int, expected: int, prev: int):
     )
 
 
-def _branch_apart(hit: int, against: str = "recompute") -> Known:
+def _branch_apart(hit: int) -> Known:
     """The small-budget case's branch resumes from a state its recompute (P/D: its
-    cold twin) does not compute (findings/small-budget-branch.md)."""
+    cold twin, there confirmed by plain's) does not compute
+    (findings/small-budget-branch.md)."""
     return Known(
         "xfail",
         "a prefill budget of 384 tokens a step (a block and a half), states "
         "retained a block apart: a branch off the first prompt resumes at "
-        f"512 from a state apart from its {against}'s on the same "
+        "512 from a state apart from its recompute's on the same "
         "path, where budgets of 128, 256 and 512 restore it bit for bit and "
         "vLLM's scheduler cuts the same 256-token chunks under 384 as "
         "under 256 (findings/small-budget-branch.md); the conversation's "
         "hits and outputs equal the default budget's bit for bit",
         # A hit apart from the request on its path (compare.check_turn).
-        found=finding("hit-apart", "branch turn 0", restored=512, control=against),
+        found=finding("hit-apart", "branch turn 0", restored=512, control="recompute"),
         geometry=(256, hit),
     )
 
@@ -138,7 +139,8 @@ def _aligned_apart_at_128(unit: int, hit: int) -> Known:
 
 def _first_confirms(known: Known, cells: Sequence[str]) -> dict[str, tuple[Known]]:
     """``known`` for each of ``cells``, which fail alike: the first runs and
-    confirms it, the others name it (Known.confirmed_by) and skip."""
+    confirms it, the others name it (Known.confirmed_by) and take its verdict
+    where it confirmed it in the session (harness.known)."""
     first = cells[0]
     shared = replace(known, confirmed_by=first)
     return {cell: (known if cell == first else shared,) for cell in cells}
@@ -193,12 +195,14 @@ KNOWN: dict[str, tuple[Known, ...]] = {
             geometry=(256, 256),
         ),
     ),
-    "plain-block-small-budget": (_branch_apart(256),),
-    "plain-partial-small-budget": (_branch_apart(64),),
-    "tp2-block-small-budget": (_branch_apart(256),),
-    "tp2-partial-small-budget": (_branch_apart(64),),
-    "pd-block-small-budget": (_branch_apart(256, "cold twin"),),
-    "pd-partial-small-budget": (_branch_apart(64, "cold twin"),),
+    # One mechanism in every deployment (plain, TP2, and P/D against its cold
+    # twin: findings/small-budget-branch.md), confirmed once per mode.
+    **_first_confirms(
+        _branch_apart(256), [f"{d}-block-small-budget" for d in ("plain", "tp2", "pd")]
+    ),
+    **_first_confirms(
+        _branch_apart(64), [f"{d}-partial-small-budget" for d in ("plain", "tp2", "pd")]
+    ),
     "pd-partial-aligned": (
         Known(
             "xfail",

@@ -33,6 +33,7 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (
 from tests.models.hybrid_prefix_cache.harness.known import (
     STALE,
     evidence_shown,
+    judge_confirmed_elsewhere,
     judge_failure,
 )
 from tests.models.hybrid_prefix_cache.harness.problems import Problem
@@ -217,6 +218,8 @@ def test_cpu_shared_failures_name_a_case_that_confirms_them():
         "plain-block-ngram",
         "offload-block",
         "dp2-ep-block",
+        "plain-block-small-budget",
+        "plain-partial-small-budget",
     }
     for case_id, known in shared.items():
         confirmer = known.confirmed_by
@@ -343,3 +346,18 @@ def test_a_played_turn_is_final(tmp_path, monkeypatch):
         played.expected = 0
     turn.problems.append("found after the verdict")
     assert case.record.ok and not played.problems
+
+
+def test_a_shared_failure_is_taken_only_from_a_case_that_confirmed_it():
+    """A case whose failure another confirms takes that verdict only where
+    the other confirmed it in this session; where it did not run, or passed
+    (at a geometry its entry does not hold for), the case runs itself."""
+    shared = Known("xfail", "a bug", evidence="kernel_x", confirmed_by="first")
+    for verdicts in ({}, {"first": ""}, {"first": "FAIL: stale table"}):
+        judge_confirmed_elsewhere((shared,), verdicts)  # runs
+    with pytest.raises(pytest.xfail.Exception, match="as in first"):
+        judge_confirmed_elsewhere((shared,), {"first": "known xfail"})
+    refused = replace(shared, kind="unsupported")
+    with pytest.raises(pytest.skip.Exception, match="as in first"):
+        judge_confirmed_elsewhere((refused,), {"first": "known refusal"})
+    judge_confirmed_elsewhere((refused,), {"first": "known xfail"})

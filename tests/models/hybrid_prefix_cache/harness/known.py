@@ -4,7 +4,7 @@
 its evidence (else the table is stale), and a listed pass is a strict XPASS.
 A judgment is decided first and enacted after the case's record is written."""
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -74,10 +74,18 @@ def evidence_shown(entry: Known | None, problems: list[str]) -> bool:
     return entry.shown("", problems)
 
 
-def judge_confirmed_elsewhere(entries: tuple[Known, ...]) -> None:
+def judge_confirmed_elsewhere(
+    entries: tuple[Known, ...], verdicts: Mapping[str, str]
+) -> None:
     """A shared failure is confirmed once (Known.confirmed_by): the other cases
-    take that case's outcome without running."""
+    take that case's outcome without running, where its verdict in this
+    session (``verdicts``, by case id) is this failure. Where it did not run,
+    or passed (its entry needs another geometry), each case runs itself."""
     for entry in entries:
-        if entry.confirmed_by is not None:
+        confirmer = entry.confirmed_by
+        if (
+            confirmer is not None
+            and verdicts.get(confirmer) == KNOWN_VERDICTS[entry.kind]
+        ):
             outcome = pytest.xfail if entry.kind == "xfail" else pytest.skip
-            outcome(f"{entry.reason} (as in {entry.confirmed_by}, which confirms it)")
+            outcome(f"{entry.reason} (as in {confirmer}, which confirmed it)")

@@ -251,7 +251,7 @@ class Matrix:
         failures: its cell's conversation or its workload's play."""
         __tracebackhide__ = True
         case, known = self.cases[case_id], self.known_for(case_id)
-        judge_confirmed_elsewhere(known)
+        judge_confirmed_elsewhere(known, {r.case_id: r.verdict for r in suite.records})
         if case.workload is None:
             shapes: tuple[str, ...] = (case.shape,) if case.shape else ()
             if case.concurrent:
