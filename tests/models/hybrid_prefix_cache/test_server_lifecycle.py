@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from dataclasses import replace
@@ -55,8 +56,6 @@ from tests.models.hybrid_prefix_cache.harness.servers import (
 from tests.models.hybrid_prefix_cache.harness.session import CaseSession
 from tests.models.hybrid_prefix_cache.tiny_hybrid import write_tiny_hybrid
 
-# The Ctrl-C test runs a child pytest with pytest's own pytester.
-pytest_plugins = ["pytester"]
 
 # Real CPU servers, with the CPU tier's binding.
 pytestmark = CPU_ONLY
@@ -255,34 +254,64 @@ WAIT_FOR_A_SIGNAL = """
 """
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["INT", "TERM"])
-def test_a_signal_ends_the_session(
-    binding, pytester: pytest.Pytester, monkeypatch, signum
-):
-    """Ctrl-C, and Buildkite's cancel (SIGTERM), end the whole session: its
-    servers stop, nothing is left, and no later test starts (vLLM's
-    RemoteVLLMServer alone turns SIGTERM into the running test's failure)."""
-    pid_file = pytester.path / "pids"
-    monkeypatch.setenv("HYBRID_PC_CTRL_C_MODEL", binding.model)
-    monkeypatch.setenv("HYBRID_PC_CTRL_C_PID_FILE", str(pid_file))
-    monkeypatch.setenv("HYBRID_PC_REPORT_DIR", str(pytester.path / "report"))
-    # The child runs in pytester's folder; it imports the harness as
-    # tests.models... from the checkout this file is in, and its plugin.
+SIGNALS = {"INT": signal.SIGINT, "TERM": signal.SIGTERM}
+
+
+def _waiting_session(folder: Path, model: str) -> tuple[subprocess.Popen, Path]:
+    """A child pytest in ``folder`` that serves ``model``, writes its servers'
+    pids to ``folder/pids`` and waits for a signal; its output goes to a file
+    (nothing reads it before it ends)."""
+    folder.mkdir()
+    child = folder / "test_child.py"
+    child.write_text(textwrap.dedent(WAIT_FOR_A_SIGNAL))
+    # It imports the harness as tests.models... from the checkout this file
+    # is in, and its plugin.
     checkout = Path(__file__).resolve().parents[3]
-    monkeypatch.setenv("PYTHONPATH", str(checkout), prepend=os.pathsep)
-    child = pytester.makepyfile(test_child=WAIT_FOR_A_SIGNAL)
-    # Into a file, not a pipe: nothing reads the child's output (its servers'
-    # logs) before it ends.
-    output_file = pytester.path / "child-output.txt"
+    pythonpath = os.pathsep.join(
+        filter(None, (str(checkout), os.environ.get("PYTHONPATH")))
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": pythonpath,
+        "HYBRID_PC_CTRL_C_MODEL": model,
+        "HYBRID_PC_CTRL_C_PID_FILE": str(folder / "pids"),
+        "HYBRID_PC_REPORT_DIR": str(folder / "report"),
+    }
+    env.pop("PYTEST_ADDOPTS", None)
     command = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider"]
-    command += ["-p", "tests.models.hybrid_prefix_cache.harness.plugin"]
-    with open(output_file, "w") as output:
-        proc = pytester.popen(
-            [*command, str(child)],
+    command += ["-p", "tests.models.hybrid_prefix_cache.harness.plugin", str(child)]
+    with open(folder / "output.txt", "w") as output:
+        proc = subprocess.Popen(
+            command,
+            cwd=folder,
+            env=env,
             stdout=output,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
         )
+    return proc, folder
+
+
+@pytest.fixture(scope="module")
+def waiting_sessions(binding, tmp_path_factory):
+    """One waiting child session per signal, started at once: each test then
+    signals its own."""
+    root = tmp_path_factory.mktemp("signals")
+    sessions = {name: _waiting_session(root / name, binding.model) for name in SIGNALS}
+    yield sessions
+    for proc, _ in sessions.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("name", SIGNALS)
+def test_a_signal_ends_the_session(waiting_sessions, name):
+    """Ctrl-C, and Buildkite's cancel (SIGTERM), end the whole session: its
+    servers stop, nothing is left, and no later test starts (vLLM's
+    RemoteVLLMServer alone turns SIGTERM into the running test's failure)."""
+    proc, folder = waiting_sessions[name]
+    pid_file, output_file = folder / "pids", folder / "output.txt"
     try:
         deadline = time.monotonic() + 300
         while not pid_file.exists() or not pid_file.read_text():
@@ -292,7 +321,7 @@ def test_a_signal_ends_the_session(
             assert time.monotonic() < deadline, "the child's server did not start"
             time.sleep(0.5)
         pids = [int(p) for p in pid_file.read_text().split()]
-        proc.send_signal(signum)
+        proc.send_signal(SIGNALS[name])
         # A guard against a hang, not a measure: vLLM's own shutdown bounds it.
         proc.wait(timeout=120)
     finally:
