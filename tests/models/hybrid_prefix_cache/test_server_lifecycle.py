@@ -56,7 +56,6 @@ from tests.models.hybrid_prefix_cache.harness.servers import (
 from tests.models.hybrid_prefix_cache.harness.session import CaseSession
 from tests.models.hybrid_prefix_cache.tiny_hybrid import write_tiny_hybrid
 
-
 # Real CPU servers, with the CPU tier's binding.
 pytestmark = CPU_ONLY
 
