@@ -5,9 +5,10 @@
 #                           case's turn table (pytest -v -s)
 #   dev/suite.sh all        ruff (check and format --check, vLLM's settings)
 #                           on our files, then every test of this project:
-#                           dev/tests (provisioning), then the overlaid tests;
-#                           then, on the release dev/requirements-cpu.txt
-#                           follows, the tests that need no compiled code
+#                           dev/tests (provisioning), then the overlaid tests
+#                           and dev/ci_checks; then, on the release
+#                           dev/requirements-cpu.txt follows, the tests that
+#                           need no compiled code and dev/ci_checks
 #   dev/suite.sh follow VERSION
 #                           follow another vLLM release: fetch its sdist and
 #                           run, on its Python over the pinned wheel, the
@@ -62,8 +63,9 @@ SCHEDULER_TESTS=(
     tests/models/hybrid_prefix_cache/test_scheduler_workloads.py
     tests/models/kimi_k3/test_prefix_cache_scheduler.py
 )
-# The checks of the CI files against the checkout, run from it; not tests of
-# a model, so they live in dev/ (dev/tests would shadow vLLM's tests package).
+# The checks of the CI files against the checkout, run from it in a pytest
+# of their own rooted here (run_ci_checks); not tests of a model, so they live
+# in dev/ (dev/tests would shadow vLLM's tests package).
 KIMI_CI_TESTS=(
     "$REPO/dev/ci_checks/test_prefix_cache_ci.py"
     "$REPO/dev/ci_checks/test_prefix_cache_ci_gpu_step.py"
@@ -84,7 +86,6 @@ FOLLOWED_TESTS=(
     tests/models/hybrid_prefix_cache/test_harness_rules.py
     tests/models/hybrid_prefix_cache/test_workload_arithmetic.py
     tests/models/kimi_k3/test_prefix_cache_matrix.py
-    "${KIMI_CI_TESTS[@]}"
 )
 ALL_TESTS=(
     tests/models/hybrid_prefix_cache
@@ -92,7 +93,6 @@ ALL_TESTS=(
     tests/models/kimi_k3/test_prefix_cache_matrix.py
     tests/models/kimi_k3/test_prefix_cache_scheduler.py
     tests/models/kimi_k3/test_prefix_cache_known.py
-    "${KIMI_CI_TESTS[@]}"
 )
 
 die() {
@@ -299,8 +299,20 @@ fi
 # The followed release's Python, from its own checkout with our files laid
 # over it (its compiled code stays the pinned wheel's): the tests that need
 # no compiled code. Its output is kept in LOG; exits with pytest's status.
+# The CI checks against the checkout of the working folder, rooted at this
+# repository so that their ids name their files; a selection that leaves none
+# of them (pytest's 5) is no failure. Exits with pytest's status.
+run_ci_checks() {  # run_ci_checks LOG [pytest args...]
+    local log=$1 status=0
+    shift
+    python -m pytest -v -s -rA -c pyproject.toml --rootdir "$REPO" -p no:cacheprovider \
+        "${KIMI_CI_TESTS[@]}" "$@" 2>&1 | tee "$log" || status=$?
+    [ "$status" -ne 5 ] || status=0
+    return "$status"
+}
+
 run_followed() {  # run_followed LOG [pytest args...]
-    local log=$1 followed_version
+    local log=$1 followed_version status=0
     shift
     [ -n "$FOLLOWED_OVERLAY" ] || die "provisioning made no overlay of the followed vLLM"
     overlay "$FOLLOWED_CHECKOUT"
@@ -312,7 +324,11 @@ run_followed() {  # run_followed LOG [pytest args...]
     # Its session.json goes to a folder of its own, beside the pinned run's.
     (cd "$FOLLOWED_CHECKOUT" && PYTHONPATH="$FOLLOWED_OVERLAY${PYTHONPATH:+:$PYTHONPATH}" \
         HYBRID_PC_REPORT_DIR="$HYBRID_PC_REPORT_DIR/followed" \
-        python -m pytest -v -s -rA "${FOLLOWED_TESTS[@]}" "$@") 2>&1 | tee "$log"
+        python -m pytest -v -s -rA "${FOLLOWED_TESTS[@]}" "$@") 2>&1 | tee "$log" ||
+        status=$?
+    (cd "$FOLLOWED_CHECKOUT" && PYTHONPATH="$FOLLOWED_OVERLAY${PYTHONPATH:+:$PYTHONPATH}" \
+        run_ci_checks "${log%.log}-ci-checks.log" "$@") || status=$?
+    return "$status"
 }
 
 # Say again a run's result line and every failed test and case, so that the
@@ -330,6 +346,7 @@ if [ "$job" = follow ]; then
     status=0
     run_followed "$log" "$@" || status=$?
     say_result "$log"
+    say_result "${log%.log}-ci-checks.log"
     exit "$status"
 fi
 
@@ -355,10 +372,14 @@ if [ "$job" = all ]; then
     echo "suite: the pinned release's tests (at ${SECONDS}s)"
     python -m pytest -v -s -rA "${ALL_TESTS[@]}" "$@" 2>&1 | tee "$pinned_log" ||
         status=$?
+    echo "suite: the CI checks against the pinned release's checkout (at ${SECONDS}s)"
+    run_ci_checks "${pinned_log%.log}-ci-checks.log" "$@" || status=$?
     run_followed "$followed_log" "$@" || status=$?
     echo "suite: done (at ${SECONDS}s; provisioning took the seconds before the first)"
-    say_result "$pinned_log"
-    say_result "$followed_log"
+    for log in "$pinned_log" "${pinned_log%.log}-ci-checks.log" "$followed_log" \
+        "${followed_log%.log}-ci-checks.log"; do
+        say_result "$log"
+    done
     exit "$status"
 elif [ "$job" = scheduler ]; then
     tests=("${SCHEDULER_TESTS[@]}")

@@ -100,21 +100,20 @@ def _lost_at_256(shape: str, turn: int, cached: int, expected: int, prev: int):
     )
 
 
-def _branch_apart(hit: int) -> Known:
+def _branch_apart(hit: int, against: str = "recompute") -> Known:
     """The small-budget case's branch resumes from a state its recompute (P/D: its
-    cold twin, there confirmed by plain's) does not compute
-    (findings/small-budget-branch.md)."""
+    cold twin) does not compute (findings/small-budget-branch.md)."""
     return Known(
         "xfail",
         "a prefill budget of 384 tokens a step (a block and a half), states "
         "retained a block apart: a branch off the first prompt resumes at "
-        "512 from a state apart from its recompute's on the same "
-        "path, where budgets of 128, 256 and 512 restore it bit for bit and "
-        "vLLM's scheduler cuts the same 256-token chunks under 384 as "
-        "under 256 (findings/small-budget-branch.md); the conversation's "
-        "hits and outputs equal the default budget's bit for bit",
+        "512 from a state apart from the request on its path, where budgets "
+        "of 128, 256 and 512 restore it bit for bit and vLLM's scheduler "
+        "cuts the same 256-token chunks under 384 as under 256 "
+        "(findings/small-budget-branch.md); the conversation's hits and "
+        "outputs equal the default budget's bit for bit",
         # A hit apart from the request on its path (compare.check_turn).
-        found=finding("hit-apart", "branch turn 0", restored=512, control="recompute"),
+        found=finding("hit-apart", "branch turn 0", restored=512, control=against),
         geometry=(256, hit),
     )
 
@@ -141,15 +140,29 @@ def _first_confirms(known: Known, cells: Sequence[str]) -> dict[str, tuple[Known
     """``known`` for each of ``cells``, which fail alike: the first runs and
     confirms it, the others name it (Known.confirmed_by) and take its verdict
     where it confirmed it in the session (harness.known)."""
-    first = cells[0]
-    shared = replace(known, confirmed_by=first)
-    return {cell: (known if cell == first else shared,) for cell in cells}
+    return _first_of({cell: known for cell in cells})
+
+
+def _first_of(entries: dict[str, Known]) -> dict[str, tuple[Known]]:
+    """Each cell's own entry of one mechanism, the first cell confirming it
+    for the others (each shows it its own way where it runs itself)."""
+    first = next(iter(entries))
+    return {
+        cell: (known if cell == first else replace(known, confirmed_by=first),)
+        for cell, known in entries.items()
+    }
 
 
 def _cells(deployments: Sequence[str], modes: Sequence[str]) -> list[str]:
     return [f"{deployment}-{mode}" for deployment in deployments for mode in modes]
 
 
+# The request each deployment's small-budget branch is held to.
+SMALL_BUDGET_CONTROLS = (
+    ("plain", "recompute"),
+    ("tp2", "recompute"),
+    ("pd", "cold twin"),
+)
 # Entries by "<deployment>-<mode>[-<shape>]" (else the cell's); at most one applies
 # to a given geometry (deployment.select_known).
 KNOWN: dict[str, tuple[Known, ...]] = {
@@ -197,12 +210,16 @@ KNOWN: dict[str, tuple[Known, ...]] = {
     ),
     # One mechanism in every deployment (plain, TP2, and P/D against its cold
     # twin: findings/small-budget-branch.md), confirmed once per mode.
-    **_first_confirms(
-        _branch_apart(256), [f"{d}-block-small-budget" for d in ("plain", "tp2", "pd")]
-    ),
-    **_first_confirms(
-        _branch_apart(64), [f"{d}-partial-small-budget" for d in ("plain", "tp2", "pd")]
-    ),
+    **{
+        cell: entries
+        for mode, hit in (("block", 256), ("partial", 64))
+        for cell, entries in _first_of(
+            {
+                f"{d}-{mode}-small-budget": _branch_apart(hit, against)
+                for d, against in SMALL_BUDGET_CONTROLS
+            }
+        ).items()
+    },
     "pd-partial-aligned": (
         Known(
             "xfail",
