@@ -10,6 +10,9 @@ so one patch text serves every error size.
   the model runner sees for the first time with computed tokens is a
   prefix-cache hit; once the restored state is copied into its running
   block, and before the forward, that block's SSM state is scaled.
+* ``batched``: ``hits``, only where the step holds more than one request and
+  torch runs more than one thread (a batched-restore bug the one-thread and
+  alone paths would not show).
 * ``pd``: in the NIXL connector (``nixl/pull_worker.py`` ``_read_blocks``,
   ``nixl/base_worker.py`` ``get_transfer_results``), the SSM blocks a
   decoder READs are noted once the decoder's own prefix hit is trimmed off
@@ -55,8 +58,21 @@ _SCALE = """\
 """
 
 _MAMBA = "vllm/v1/worker/mamba_utils.py"
-_HITS = {
-    _MAMBA: (
+
+
+def _hits(name: str, condition: str = "") -> dict:
+    """The ``hits`` plant under ``name``, firing only where ``condition`` also
+    holds in ``preprocess_mamba``."""
+    return {
+        _MAMBA: tuple(
+            Edit(e.anchor, e.new.replace("PLANT(hits)", f"PLANT({name})"), e.before)
+            for e in _edits_of_hits(condition)
+        )
+    }
+
+
+def _edits_of_hits(condition: str) -> tuple[Edit, ...]:
+    return (
         Edit(
             "    num_reqs = len(input_batch.req_ids)\n",
             "    _plant_hits: list = []  # PLANT(hits)\n",
@@ -77,7 +93,7 @@ _HITS = {
             "    # PLANT(hits): the restored state, now in the running block.\n"
             "    import os as _os\n\n"
             f'    _plant_factor = float(_os.environ.get("{FACTOR_ENV}") or 1.0)\n'
-            "    if _plant_hits and _plant_factor != 1.0:\n"
+            f"    if _plant_hits and _plant_factor != 1.0{condition}:\n"
             "        _plant_err = 0.0\n"
             "        for _req_state, _idx in _plant_hits:\n"
             "            for _gid in mamba_group_ids:\n"
@@ -91,8 +107,13 @@ _HITS = {
             "            _plant_factor, len(_plant_hits), num_reqs, _plant_err,\n"
             "        )\n",
         ),
-    ),
-}
+    )
+
+
+_HITS = _hits("hits")
+_BATCHED = _hits(
+    "batched", " and num_reqs > 1 and __import__('torch').get_num_threads() > 1"
+)
 
 _NIXL = "vllm/distributed/kv_transfer/kv_connector/v1/nixl"
 _PD = {
@@ -157,7 +178,7 @@ _PD = {
     ),
 }
 
-PLANTS = {"hits": _HITS, "pd": _PD}
+PLANTS = {"hits": _HITS, "batched": _BATCHED, "pd": _PD}
 
 
 def planted(text: str, edits: tuple[Edit, ...], path: str) -> str:

@@ -49,6 +49,11 @@ ROWS = (
     Row("partial", "hits", ("plain-partial",)),
     Row("P/D", "pd", ("pd-block",)),
     Row("batched", "hits", ("plain-block-concurrent", "plain-partial-concurrent")),
+    Row(
+        "batched restores",
+        "batched",
+        ("plain-block-batched-restores", "plain-partial-batched-restores"),
+    ),
     # cpu_known._SPEC: the engine dies on the first request with a drafter.
     Row(
         "with a drafter",

@@ -83,6 +83,7 @@ FOLLOWED_TESTS=(
     tests/models/hybrid_prefix_cache/test_harness.py
     tests/models/hybrid_prefix_cache/test_harness_counters.py
     tests/models/hybrid_prefix_cache/test_harness_known.py
+    tests/models/hybrid_prefix_cache/test_harness_restores.py
     tests/models/hybrid_prefix_cache/test_harness_rules.py
     tests/models/hybrid_prefix_cache/test_workload_arithmetic.py
     tests/models/kimi_k3/test_prefix_cache_matrix.py

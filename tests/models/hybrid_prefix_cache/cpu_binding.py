@@ -134,6 +134,8 @@ CORES = len(os.sched_getaffinity(0))
 # model_executor/layers/utils.py check_cpu_sgl_kernel), and one thread left a
 # batched hit 3e-4 from its recompute alone on a Sapphire Rapids: there,
 # batched hits keep their twins' measured noise (findings/batch-noise-cpu.md).
+# Every CPU also plays batched restores at its default threads, held on their
+# prefill steps to the same prompts alone (harness/restores.py).
 BATCH_INVARIANT_ENV = (
     None if torch.cpu._is_amx_tile_supported() else {"OMP_NUM_THREADS": "1"}
 )

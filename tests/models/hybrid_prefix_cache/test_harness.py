@@ -210,7 +210,8 @@ def test_matrix_builds_cases_known_failures_and_params():
     known["plain-partial-plus1"] = (lost,)
     matrix = Matrix(deployments, modes, known, sweep=("plain-partial",))
     sweep = [f"plain-partial-{shape}" for shape in SHAPES] + [
-        "plain-partial-concurrent"
+        "plain-partial-concurrent",
+        "plain-partial-batched-restores",
     ]
     assert list(matrix.cases) == [
         "plain-block",
@@ -220,6 +221,8 @@ def test_matrix_builds_cases_known_failures_and_params():
         "tp2-partial",
     ]
     assert matrix.cases["plain-partial-concurrent"].concurrent
+    restores = matrix.cases["plain-partial-batched-restores"]
+    assert restores.restores and restores.at_once and not restores.concurrent
     assert matrix.served("tp2-partial") == (deployments["tp2"], modes["partial"])
     # A case's own entries, else its cell's.
     assert matrix.known_for("plain-partial-tail37") == (bug,)
@@ -231,6 +234,7 @@ def test_matrix_builds_cases_known_failures_and_params():
     at256, at128 = Units(block=256, hit=256), Units(block=128, hit=128)
     assert matrix.concurrent_shapes(concurrent, at256) == ("exact",)
     assert matrix.concurrent_shapes(concurrent, at128) == ("exact", "plus1")
+    assert matrix.concurrent_shapes(restores.case_id, at256) == ("exact",)
     assert matrix.concurrent_shapes("plain-partial", at128) == ()
     with pytest.raises(ValueError, match="name no case"):
         Matrix(deployments, modes, {"plain-block-exact": (bug,)})
@@ -288,6 +292,12 @@ def test_matrix_builds_cases_known_failures_and_params():
         p for p in batches.params() if p.id == "plain-block-concurrent"
     ).marks
     assert mark.kwargs["seconds"] == case_seconds(1, CASE_TURNS, True)
+    # The batched restores run at the threads users run: the cell's servers.
+    assert batches.servers_key("plain-block-batched-restores") == "plain-block"
+    (mark,) = next(
+        p for p in batches.params() if p.id == "plain-block-batched-restores"
+    ).marks
+    assert mark.kwargs["seconds"] == case_seconds(1, CASE_TURNS, False)
     # A P/D resend costs its two requests on its cell's running servers.
     pd = {"pd": Deployment(decode=Instance(), prefill=Instance())}
     resends = Matrix(

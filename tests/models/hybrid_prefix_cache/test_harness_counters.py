@@ -105,6 +105,7 @@ def _routed(
     control: bool = False,
     more: int = 0,
     relay: bool = False,
+    alone: bool = False,
 ):
     sent = object()
     return SimpleNamespace(
@@ -114,6 +115,7 @@ def _routed(
         more_controls=[sent] * more,
         relay=sent if relay else None,
         prefiller_alone=sent if relay else None,
+        alone=sent if alone else None,
     )
 
 
@@ -133,6 +135,8 @@ def test_expected_requests_route_the_recompute_to_the_decoder():
     # P/D of one configuration: the relay through both, the prompt served
     # whole by the prefiller alone, and no control.
     assert expected_requests(2, [_routed(twin=True, relay=True)] * 4) == [16, 16]
+    # Batched restores: each prompt alone too, through the deployment.
+    assert expected_requests(1, [_routed(alone=True)] * 4) == [12]
 
 
 def test_decoder_transfers_what_its_own_cache_does_not_hold():

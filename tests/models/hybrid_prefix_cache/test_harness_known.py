@@ -181,18 +181,20 @@ def test_record_explains_its_problems():
     assert "== c: hit unit 64, block 256" in text and "FAIL" in text
 
 
-def test_cpu_concurrent_cases_play_the_shapes_that_pass_alone():
-    """A concurrent case plays the sweep shapes that pass on their own at
-    the geometry its servers resolve to, and expects them all to pass."""
+@pytest.mark.parametrize("at_once", ["concurrent", "batched-restores"])
+def test_cpu_concurrent_cases_play_the_shapes_that_pass_alone(at_once: str):
+    """A case of shapes at once (concurrent, or its batched restores) plays the
+    sweep shapes that pass on their own at the geometry its servers resolve
+    to, and expects them all to pass."""
     from tests.models.hybrid_prefix_cache.cpu_known import MATRIX
 
     at256, at128 = Units(block=256, hit=256), Units(block=128, hit=128)
-    block = "plain-block-concurrent"
+    block = f"plain-block-{at_once}"
     assert MATRIX.concurrent_shapes(block, at256) == ("plus1", "tail37")
     shapes = MATRIX.concurrent_shapes(block, at128)
     assert "exact" in shapes and "unit-minus1" not in shapes
     assert MATRIX.known_for(block) == ()
-    partial = "plain-partial-concurrent"
+    partial = f"plain-partial-{at_once}"
     for units in (at256, at128, None):
         assert len(MATRIX.concurrent_shapes(partial, units)) == 7
     assert MATRIX.known_for(partial) == ()

@@ -126,7 +126,7 @@ def test_cpu_case(cpu_binding: harness.Binding, case_id: str) -> None:
         deployment,
         conversations,
         cpu_binding.token_ids,
-        concurrent=case.concurrent,
+        concurrent=case.at_once,
     )
     check_case(case_id, servers, results, units, mode, deployment)
 

@@ -69,6 +69,7 @@ def serve_case(
     mode: Mode,
     pool: ServerPool,
     batched: bool = False,
+    prefill_step: bool = False,
 ) -> Iterator[Play]:
     """Get the case's servers from ``pool`` (started, or reused), record their
     geometry, open the case's counter window and reconcile it at the end. A
@@ -92,6 +93,7 @@ def serve_case(
             case.units,
             binding.logprob_atol,
             batched=batched,
+            prefill_step=prefill_step,
         )
         yield case.play
         case.metrics, problems = close_window(case.window, mode, case.turns)
@@ -134,22 +136,28 @@ def run_case(
     *,
     shapes: Sequence[str] = (),
     concurrent: bool = False,
+    restores: bool = False,
     known: Sequence[Known] = (),
     num_turns: int = NUM_TURNS,
     resend: bool = True,
 ) -> CaseRecord:
     """Serve ``deployment`` in ``mode`` on ``suite``'s servers and check its
     conversations: the reference one or one per sweep shape, one after another or
-    (``concurrent``, under ``batch_invariant_env``) at once, each of ``num_turns``
-    turns and (``resend``) a resend. Returns the record for the test to assert on;
-    a case in ``known`` xfails, skips or fails here (harness/session.py).
+    at once, under ``batch_invariant_env`` (``concurrent``) or at the servers'
+    own threads, held on the hits' prefill steps (``restores``), each of
+    ``num_turns`` turns and (``resend``) a resend. Returns the record for the
+    test to assert on; a case in ``known`` xfails, skips or fails here
+    (harness/session.py).
     """
     __tracebackhide__ = True
     if concurrent and binding.batch_invariant_env is not None:
         deployment = with_serve_env(deployment, binding.batch_invariant_env)
+    batched = concurrent or restores
     with (
         case_session(case_id, suite.records, known) as case,
-        serve_case(case, binding, deployment, mode, suite.pool, concurrent) as play,
+        serve_case(
+            case, binding, deployment, mode, suite.pool, batched, restores
+        ) as play,
     ):
         conversations = _conversations(case_id, play, shapes, num_turns, resend)
         for _ in play_waves(play, conversations, case.turns):

@@ -99,6 +99,10 @@ class Turn:
     batched: bool = False
     # batched on a batch-invariant server: on its recompute's path
     invariant: bool = False
+    # batched at the servers' own threads: its prefill step is held to the
+    # same prompt's alone, under a salt played alone (harness/restores.py)
+    prefill_step: bool = False
+    alone: Sample | None = None
     # resumed (or its salt did) inside a block, where only block ends are
     # exact (Binding.exact_on_blocks): held to measured noise
     mid_block: bool = False

@@ -8,7 +8,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tests.models.hybrid_prefix_cache.harness.client import (
     complete,
@@ -32,6 +32,7 @@ from tests.models.hybrid_prefix_cache.harness.paths import (
     control_shifts,
 )
 from tests.models.hybrid_prefix_cache.harness.reconcile import EXTERNAL_HITS
+from tests.models.hybrid_prefix_cache.harness.restores import check_prefill_steps
 from tests.models.hybrid_prefix_cache.harness.rules import (
     FIRST_PROMPT_BLOCKS,
     FIRST_PROMPT_TAIL,
@@ -107,7 +108,9 @@ def grown_prompt(
 class Play:
     """What a case needs to play turns: where, what, and how to check.
     ``batched`` turns are held to their recompute alone where the server is
-    batch-invariant, else to batched twins within ``noise``."""
+    batch-invariant, else to batched twins within ``noise``; with
+    ``prefill_step`` (the servers' own threads), the first turn goes alone and
+    later hits are held on their prefill step (harness/restores.py)."""
 
     servers: Sequence[Server]
     binding: Binding
@@ -116,6 +119,7 @@ class Play:
     units: Units
     logprob_atol: float | None
     batched: bool = False
+    prefill_step: bool = False
     noise: PathNoise | None = None
     # salts that resumed inside a block (Turn.mid_block)
     off_block_salts: set[str] = field(default_factory=set)
@@ -128,7 +132,8 @@ class Play:
     @property
     def invariant(self) -> bool:
         """Batched on servers that compute each request as alone."""
-        return self.batched and self.binding.batch_invariant_env is not None
+        invariant_env = self.binding.batch_invariant_env is not None
+        return self.batched and not self.prefill_step and invariant_env
 
     @property
     def recompute_atol(self) -> float | None:
@@ -147,6 +152,7 @@ def send_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
     (P/D, or a batch), unless the recompute is already its same-path control."""
     turn.prompt, turn.salt = list(prompt), salt
     turn.batched, turn.invariant = play.batched, play.invariant
+    turn.prefill_step = play.prefill_step
     start = time.monotonic()
     servers, model = play.servers, play.binding.model
     if play.deployment.offload:
@@ -168,7 +174,8 @@ def send_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
                 f"grow ({before} -> {after}): the hit did not come from the "
                 f"offload tier"
             )
-    if len(servers) > 1 or (play.batched and not play.invariant):
+    twinned = play.batched and not (play.invariant or play.prefill_step)
+    if len(servers) > 1 or twinned:
         twin_salt = fresh_salt("twin")
         if play.batched:  # sent at once: no transfer is the twin's alone
             turn.twin = send(servers, model, prompt, twin_salt)
@@ -234,6 +241,9 @@ def measure_path_noise(play: Play, turns: Sequence[Turn]) -> None:
 
 def finish_turns(play: Play, turns: Sequence[Turn]) -> None:
     """Measure the case's path noise, then hold cross-path comparisons to it."""
+    if play.prefill_step:
+        check_prefill_steps(turns, play.deployment.compares_logprobs)
+        return
     measure_path_noise(play, turns)
     play.noise = check_paths(
         turns, play.logprob_atol, play.deployment.compares_logprobs
@@ -264,7 +274,11 @@ def play_waves(
 ) -> Iterator[int]:
     """Play ``conversations``, each under its own salt, turn by turn into
     ``turns``, yielding after each wave (its index): the caller may stop
-    there. Batched, each wave is in flight at once, recomputes after."""
+    there. Batched, each wave is in flight at once, recomputes after. Where
+    only prefill steps are held (``Play.prefill_step``), the first wave goes
+    one by one (a batched cold prefill may part from itself alone:
+    findings/batch-noise-cpu.md), and every prompt goes alone too, under its
+    conversation's alone salt, after its wave."""
     states = []
     for conv in conversations:
         rng = random.Random(conv.seed)
@@ -272,6 +286,7 @@ def play_waves(
         salt = fresh_salt("conversation")
         plan = plan_turns(conv.first_len, conv.num_turns, conv.resend)
         states.append((conv, rng, salt, prompt, plan))
+    alone_salts = [fresh_salt("alone") for _ in conversations]
     if len({len(plan) for *_, plan in states}) > 1:
         raise ValueError("conversations played together must have as many turns")
     for index in range(len(states[0][4])):
@@ -282,14 +297,18 @@ def play_waves(
                 raise AssertionError(f"{turn.name}: the plan and the prompt part")
             turns.append(turn)
             batch.append((turn, prompt, salt))
-        if play.batched:
+        wave = replace(play, batched=False) if play.prefill_step and not index else play
+        if wave.batched:
             with phase("requests"), ThreadPoolExecutor(len(batch)) as pool:
-                list(pool.map(lambda args: send_turn(play, *args), batch))
+                list(pool.map(lambda args, p=wave: send_turn(p, *args), batch))
             for turn, _, _ in batch:
-                recompute_turn(play, turn)
+                recompute_turn(wave, turn)
         else:
             for args in batch:
-                play_turn(play, *args)
+                play_turn(wave, *args)
+        if play.prefill_step:
+            for (turn, prompt, _), alone_salt in zip(batch, alone_salts):
+                send_alone(play, turn, prompt, alone_salt)
         yield index
         for i, ((conv, rng, salt, prompt, plan), (turn, _, _)) in enumerate(
             zip(states, batch)
@@ -301,6 +320,14 @@ def play_waves(
                 rng, play.binding.token_ids, prompt, turn.output.token_ids
             )
             states[i] = (conv, rng, salt, grown, plan)
+
+
+def send_alone(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
+    """``prompt`` alone under ``salt``, whose earlier turns went alone too: the
+    hit's counterpart on its checkpoint and chunks (harness/restores.py)."""
+    start = time.monotonic()
+    turn.alone = send(play.servers, play.binding.model, prompt, salt)
+    turn.seconds += time.monotonic() - start
 
 
 def run_conversations(

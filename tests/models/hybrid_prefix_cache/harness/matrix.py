@@ -33,8 +33,10 @@ from tests.models.hybrid_prefix_cache.harness.workload import (
 
 # Tests with the same key need the same servers; the plugin runs them together.
 SERVERS_MARK = "hybrid_servers"
-# The id suffix of a sweep cell's case that plays its shapes at once.
+# The id suffixes of a sweep cell's cases that play its shapes at once: under
+# batch_invariant_env, and at the servers' own threads (harness/restores.py).
 CONCURRENT = "concurrent"
+RESTORES = "batched-restores"
 
 
 # Seconds per server process a test runs through, for sharding; from a 4xB200
@@ -117,6 +119,7 @@ class Case:
     mode: str
     shape: str | None = None  # a sweep shape, or None for the reference
     concurrent: bool = False  # every shape of the cell at once
+    restores: bool = False  # likewise at the servers' threads, on prefill steps
     workload: str | None = None  # a workload of the matrix's catalog
     # Its growing turns, and whether a resend follows them (plan_turns).
     num_turns: int = NUM_TURNS
@@ -135,9 +138,15 @@ class Case:
         return f"{self.deployment}-{self.mode}"
 
     @property
+    def at_once(self) -> bool:
+        """Whether it plays its cell's sweep shapes at once."""
+        return self.concurrent or self.restores
+
+    @property
     def case_id(self) -> str:
         suffix = self.workload or self.shape
         suffix = suffix or (CONCURRENT if self.concurrent else None)
+        suffix = suffix or (RESTORES if self.restores else None)
         return self.cell if suffix is None else f"{self.cell}-{suffix}"
 
 
@@ -145,8 +154,10 @@ class Case:
 class Matrix:
     """A binding's matrix: ``deployments`` x ``modes``, its ``known`` failures by
     case id or cell (each must name a case; a case without its own takes its
-    cell's), the ``sweep`` cells (every sweep shape alone and at once), and the
-    cells of each of ``workloads``, on the cell's servers or on their own
+    cell's), the ``sweep`` cells (every sweep shape alone and at once: under
+    ``batch_invariant_env``, on servers of their own where ``batch_servers``,
+    and at the cell's servers' threads), and the cells of each of
+    ``workloads``, on the cell's servers or on their own
     (``Workload.own_servers``), with ``workload_turns`` turns and no resend.
     """
 
@@ -215,6 +226,7 @@ class Matrix:
                         if not inblock or mode.prefix_match_unit is not None:
                             cell_cases.append(Case(deployment, mode_name, shape))
                     cell_cases.append(Case(deployment, mode_name, concurrent=True))
+                    cell_cases.append(Case(deployment, mode_name, restores=True))
                 cell_cases += self._workload_cases(cell, True)
                 cases.update((case.case_id, case) for case in cell_cases)
         return cases
@@ -254,7 +266,7 @@ class Matrix:
         judge_confirmed_elsewhere(known, {r.case_id: r.verdict for r in suite.records})
         if case.workload is None:
             shapes: tuple[str, ...] = (case.shape,) if case.shape else ()
-            if case.concurrent:
+            if case.at_once:
                 units = None if in_process is None else in_process.units(mode)
                 shapes = self.concurrent_shapes(case_id, units)
                 if not shapes:
@@ -269,6 +281,7 @@ class Matrix:
                 mode,
                 shapes=shapes,
                 concurrent=case.concurrent,
+                restores=case.restores,
                 known=known,
             )
         workload = self.catalog[case.workload]
@@ -291,7 +304,7 @@ class Matrix:
         that fails alone is left out, not expected to fail: in a batch that
         depends on how the prefills split, and its own case holds it."""
         case = self.cases[case_id]
-        if not case.concurrent:
+        if not case.at_once:
             return ()
         return tuple(
             shape

@@ -166,10 +166,15 @@ def _delta(after: float | None, before: float | None) -> float | None:
 
 
 def expected_requests(num_servers: int, turns: Sequence["Turn"]) -> list[int]:
-    """Completions each server must finish: turns, twins and relays through
-    the deployment; recomputes and controls on the decoder alone."""
+    """Completions each server must finish: turns, twins, relays and alone
+    counterparts through the deployment; recomputes and controls on the
+    decoder alone."""
     through = sum(
-        1 + (turn.twin is not None) + (turn.relay is not None) for turn in turns
+        1
+        + (turn.twin is not None)
+        + (turn.relay is not None)
+        + (turn.alone is not None)
+        for turn in turns
     )
     alone = sum(
         (turn.recompute is not None)

@@ -42,8 +42,9 @@ def format_table(
 ) -> str:
     """The turn table of one case: per turn, the hit, its recompute's
     tokens, the hit's gap to the request on its own path (``max|dlp|``;
-    batched, its recompute alone on a batch-invariant server, or else its
-    batched cold twin), and the gap of a comparison across
+    batched, its recompute alone on a batch-invariant server, the same prompt
+    alone's prefill step at the servers' threads, or else its batched cold
+    twin), and the gap of a comparison across
     paths with its tolerance (``path|dlp|``, ``tol``: under P/D the
     transfer relay against the decoder alone, exactly, or else the cold twin
     against it, within the measured noise); ``~`` marks a gap of samples that
@@ -194,6 +195,8 @@ class CaseRecord(CaseProblems):
                     "more_controls": [sample(c) for c in t.more_controls],
                     "batched": t.batched,
                     "batch_invariant": t.invariant,
+                    "prefill_step": t.prefill_step,
+                    "alone": sample(t.alone),
                     "mid_block": t.mid_block,
                     "comparisons": [
                         {**vars(c), "judged": c.judged} for c in t.comparisons

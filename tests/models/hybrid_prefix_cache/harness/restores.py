@@ -1,0 +1,65 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Batched restores at the servers' own thread count (``Play.prefill_step``):
+each batched hit's prefill step, its first sampled logprob, must equal the
+same prompt's sent alone under a salt whose every turn went alone
+(``Turn.alone``), exactly (:func:`check_prefill_steps`).
+
+Both resume from the same checkpoint and compute the same tokens in one step,
+so only the batch differs; a recompute would cut its prompt into other chunks
+(findings/batch-noise-cpu.md, where twins failed for that). Later tokens are
+decode steps, where a request alone and in a batch take different kernels; the
+concurrent cases judge those. Pure."""
+
+from collections.abc import Sequence
+
+from tests.models.hybrid_prefix_cache.harness.compare import Sample, Turn, compare
+from tests.models.hybrid_prefix_cache.harness.problems import Problem
+
+ALONE = "same prompt alone (prefill step)"
+
+
+def prefill_step(sample: Sample) -> Sample:
+    """The part of ``sample`` computed in its prefill step: its first token."""
+    return sample.head(1)
+
+
+def check_prefill_steps(turns: Sequence[Turn], compare_logprobs: bool = True) -> None:
+    """Hold each batched hit's prefill step to its alone counterpart's, on the
+    same checkpoint, exactly; a case where no hit could be judged so fails."""
+    batched = [t for t in turns if t.prefill_step and t.batched and t.restored]
+    if not compare_logprobs or not batched:
+        return
+    judged = 0
+    for turn in batched:
+        alone = turn.alone
+        assert turn.output is not None
+        if alone is None or alone.cached_tokens != turn.output.cached_tokens:
+            hit = None if alone is None else alone.cached_tokens
+            turn.notices.append(
+                f"{turn.name}: alone, the same prompt hit {hit} tokens, batched "
+                f"{turn.output.cached_tokens}: not held on its prefill step"
+            )
+            continue
+        judged += 1
+        hit = prefill_step(turn.output)
+        why = compare(turn, hit, prefill_step(alone), ("hit", ALONE), 0.0, True)
+        if why:
+            turn.problems.append(
+                Problem(
+                    f"{turn.name}: the batched hit, {turn.restored} tokens "
+                    f"restored from the prefix cache, differs in its prefill "
+                    f"step from the same prompt alone on the same checkpoint, "
+                    f"{why}: the state restored in a shared batch, or the "
+                    f"prefill from it, is wrong",
+                    "hit-apart",
+                    turn.name,
+                    restored=turn.restored,
+                    control=ALONE,
+                )
+            )
+    if not judged:
+        batched[-1].problems.append(
+            f"{batched[-1].name}: no batched hit hit what its prompt alone did: "
+            f"the case judged no restore in a batch"
+        )
