@@ -38,7 +38,7 @@ def tiny(tmp_path_factory) -> TinyHybrid:
 
 def seeded_model(tiny: TinyHybrid) -> torch.nn.Module:
     model = load_model(tiny.path)
-    assert seeded_load.seeded_init(model) > 0
+    assert hsl.seeded_init(model) > 0
     return model
 
 
@@ -100,14 +100,17 @@ def test_seeded_weights_make_the_state_matter(tiny: TinyHybrid, tmp_path):
 def test_vllm_plugins_find_the_load_format():
     """On the path a server gets (seeded_load.ENV), the folder's dist-info
     declares hybrid_seeded_load.register a vLLM general plugin, and
-    registering it makes the load format known to vLLM's loader registry."""
+    registering it makes the load format that bindings name
+    (seeded_load.LOAD_FORMAT) known to vLLM's loader registry."""
+    name = seeded_load.LOAD_FORMAT
+    assert name == hsl.LOAD_FORMAT
     script = (
         "import importlib.metadata as md\n"
         "from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER\n"
         "(ep,) = [e for e in md.entry_points(group='vllm.general_plugins')"
-        " if e.name == 'hybrid_seeded']\n"
+        f" if e.name == {name!r}]\n"
         "ep.load()()\n"
-        "print('hybrid_seeded' in _LOAD_FORMAT_TO_MODEL_LOADER)\n"
+        f"print({name!r} in _LOAD_FORMAT_TO_MODEL_LOADER)\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", script],
@@ -119,4 +122,4 @@ def test_vllm_plugins_find_the_load_format():
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("True"), done.stdout
     here = md.entry_points(group="vllm.general_plugins")
-    assert "hybrid_seeded" not in here.names, "the plugin leaks into this process"
+    assert name not in here.names, "the plugin leaks into this process"

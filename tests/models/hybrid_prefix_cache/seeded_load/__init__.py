@@ -1,14 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The load format ``hybrid_seeded`` and the env that gives it to a server."""
+"""The load format ``hybrid_seeded`` and the env that gives it to a server. Its
+code (``hybrid_seeded_load.py``) runs in the server, as a vLLM general plugin;
+a test process needs only the name it registers (test_seeded_load.py checks
+it) and the folder to put on the server's path."""
 
 from pathlib import Path
 
-from tests.models.hybrid_prefix_cache.seeded_load.hybrid_seeded_load import (
-    LOAD_FORMAT,
-    seeded_init,
-)
+__all__ = ["ENV", "LOAD_FORMAT"]
 
-__all__ = ["ENV", "LOAD_FORMAT", "seeded_init"]
-
+LOAD_FORMAT = "hybrid_seeded"
 ENV = {"PYTHONPATH": str(Path(__file__).parent)}
