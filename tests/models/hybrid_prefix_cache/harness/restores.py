@@ -7,7 +7,11 @@ same prompt's sent alone under a salt whose every turn went alone
 
 Both resume from the same checkpoint and compute the same tokens in one step,
 so only the batch differs; a recompute would cut its prompt into other chunks
-(findings/batch-noise-cpu.md, where twins failed for that). Later tokens are
+(findings/batch-noise-cpu.md, where twins failed for that). Prefill rows are
+computed alike in any batch by vLLM's CPU kernels: attention splits the KV
+only for one-token query tiles (csrc/cpu/cpu_attn_impl.hpp,
+split_kv_q_token_num_threshold), the GEMM takes brgemm above 4 rows
+(csrc/cpu/sgl-kernels/gemm.h, can_use_brgemm). Later tokens are
 decode steps, where a request alone and in a batch take different kernels; the
 concurrent cases judge those. Pure."""
 

@@ -7,19 +7,31 @@
 import functools
 import importlib
 import pkgutil
+from collections.abc import Callable, Iterable
 
 from tests.models.hybrid_prefix_cache.harness.workload import Workload
+
+
+def package_catalog(
+    path: Iterable[str], package: str, kind: type, name_of: Callable, twice: str
+) -> dict:
+    """Every ``kind`` at the top of the modules of ``package`` (its
+    ``__path__`` and ``__name__``), by ``name_of``, sorted; a name found on
+    two values raises ``twice`` formatted with it."""
+    found: dict = {}
+    for info in pkgutil.iter_modules(path):
+        module = importlib.import_module(f"{package}.{info.name}")
+        for value in vars(module).values():
+            if isinstance(value, kind) and found.get(name_of(value)) is not value:
+                if name_of(value) in found:
+                    raise ValueError(twice.format(name_of(value)))
+                found[name_of(value)] = value
+    return dict(sorted(found.items()))
 
 
 @functools.cache
 def catalog() -> dict[str, Workload]:
     """Every workload, by name."""
-    found: dict[str, Workload] = {}
-    for info in pkgutil.iter_modules(__path__):
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        for value in vars(module).values():
-            if isinstance(value, Workload) and found.get(value.name) is not value:
-                if value.name in found:
-                    raise ValueError(f"two workloads are named {value.name!r}")
-                found[value.name] = value
-    return dict(sorted(found.items()))
+    return package_catalog(
+        __path__, __name__, Workload, lambda w: w.name, "two workloads are named {!r}"
+    )

@@ -5,24 +5,14 @@
 :func:`catalog` finds new ones."""
 
 import functools
-import importlib
-import pkgutil
 
 from tests.models.hybrid_prefix_cache.scheduler.cell import Replay
+from tests.models.hybrid_prefix_cache.workloads import package_catalog
 
 
 @functools.cache
 def catalog() -> dict[str, Replay]:
     """Every replay, by its workload's name."""
-    found: dict[str, Replay] = {}
-    for info in pkgutil.iter_modules(__path__):
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        for value in vars(module).values():
-            if (
-                isinstance(value, Replay)
-                and found.get(value.workload.name) is not value
-            ):
-                if value.workload.name in found:
-                    raise ValueError(f"two replays of {value.workload.name!r}")
-                found[value.workload.name] = value
-    return dict(sorted(found.items()))
+    return package_catalog(
+        __path__, __name__, Replay, lambda r: r.workload.name, "two replays of {!r}"
+    )
