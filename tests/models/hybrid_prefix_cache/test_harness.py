@@ -18,6 +18,7 @@ from tests.models.hybrid_prefix_cache.harness import (
     Mode,
     Units,
     case_seconds,
+    finding,
     matrix_modes,
     server_args,
     server_specs,
@@ -258,6 +259,16 @@ def test_matrix_builds_cases_known_failures_and_params():
             catalog=WORKLOADS,
             workloads={"aligned": ("dcp2-block",)},
         )
+    # The scheduler tier's entries sit in the same table, by cell and
+    # workload, served there or not; each judges only its own tier.
+    replayed = Known("xfail", "lost", found=finding("scheduler-hit", "t1", hit=0))
+    both = {"tp2-block-aligned": (replayed,), "tp2-block": (bug,)}
+    one = Matrix(deployments, modes, both, catalog=WORKLOADS)
+    assert one.replayed_known("tp2-block") == {"aligned": replayed}
+    assert one.replayed_known("plain-block") == {}
+    assert one.known_for("tp2-block") == (bug,)
+    with pytest.raises(ValueError, match="name no case"):
+        Matrix(deployments, modes, {"tp2-block-nowhere": (replayed,)}, catalog=WORKLOADS)
     # A workload with servers of its own comes after its cell's sweep, and
     # is marked with its own servers key and the cost of their start.
     own = Matrix(

@@ -19,6 +19,7 @@ from tests.models.hybrid_prefix_cache.harness import (
     Mode,
     cpu_offload,
     exact_budget,
+    finding,
     holds_for,
     kv_connector,
     matrix_modes,
@@ -130,14 +131,38 @@ _DCP_SPEC = Known(
     # 0.34.0 repairs it (mla/flashinfer_mla.py); upstream's test drops these cells.
     releases="<0.34",
 )
+HOST_LOSS_RELEASES = "<0.34"
+# What vLLM's scheduler, replayed at the B200 geometry on any machine, does not
+# do of a workload (Known.replayed): the scheduler tier's, on every platform.
+_REPLAYED = {
+    "dcp2-offload-partial-aligned": (
+        Known(
+            "xfail",
+            "DCP2 with CPU offload in partial mode: after a first prompt that "
+            "ends exactly on a block (three blocks), the next turn, its device "
+            "cache reset, restores nothing from the host where the prompt's "
+            "checkpoint one hit unit inside its last block should be; the same "
+            "prompt's checkpoint is restored without DCP (offload-partial) and "
+            "after an unaligned prompt (the reference turns, as on B200). The "
+            "offload scheduler's store of that state under DCP "
+            "(offloading/scheduler.py) is where to look",
+            found=finding("scheduler-hit", "exact turn 1", hit=0),
+            # 0.34.0's scheduler restores it (a strict XPASS there).
+            releases=HOST_LOSS_RELEASES,
+        ),
+    ),
+}
 KNOWN: dict[str, dict[str, tuple[Known, ...]]] = {
     "sm100": {
-        f"{deployment}-{mode}": (_DCP_SPEC,)
-        for deployment in ("dcp2", "dcp2-offload")
-        for mode in ("block-dspark", "partial-dspark")
+        **{
+            f"{deployment}-{mode}": (_DCP_SPEC,)
+            for deployment in ("dcp2", "dcp2-offload")
+            for mode in ("block-dspark", "partial-dspark")
+        },
+        **_REPLAYED,
     },
-    # Empty: nothing seen failing on MI355 yet; add entries with their evidence.
-    "mi355": {},
+    # Nothing seen failing on MI355 yet; add entries with their evidence.
+    "mi355": dict(_REPLAYED),
 }
 
 # Exact resends: 7040 is a PMU multiple, not block-aligned; 7296 an exact one.
@@ -238,7 +263,6 @@ def exact(deployment: Deployment, mode: Mode) -> tuple[Binding, Deployment]:
 
 # Workloads on each cell's running servers, where a case costs less than a start;
 # what each holds and why others are left out: findings/b200-case-costs.md.
-HOST_LOSS_RELEASES = "<0.34"
 PD_DEPLOYMENTS = ("pd", "pd-tp2-dep2", "pd-offload")
 
 
@@ -247,12 +271,14 @@ def _crashes(cell: str) -> bool:
 
 
 def _aligned_cells() -> tuple[str, ...]:
-    lost = ("dcp2-offload-partial",) if holds_for(HOST_LOSS_RELEASES) else ()
+    # Not served where vLLM's scheduler already loses it (_REPLAYED).
+    lost = [k for k, entries in _REPLAYED.items() if any(e.holds() for e in entries)]
     return tuple(
         cell
         for deployment in ("offload", "dcp2-offload", *PD_DEPLOYMENTS)
         for mode in MODES
-        if not _crashes(cell := f"{deployment}-{mode}") and cell not in lost
+        if not _crashes(cell := f"{deployment}-{mode}")
+        and f"{cell}-aligned" not in lost
     )
 
 

@@ -29,25 +29,6 @@ KIMI_SETTINGS = {
 # every Kimi cell replays both (kda_prefill_checkpoint_alignment).
 KDA_CHECKPOINTS = {"flashkda": 16, "triton": None}
 
-# What vLLM's scheduler does not do of a workload, by (workload, cell).
-KNOWN: dict[tuple[str, str], harness.Known] = {
-    ("aligned", "kimi-dcp2-offload-partial"): harness.Known(
-        "xfail",
-        "DCP2 with CPU offload in partial mode: after a first prompt that "
-        "ends exactly on a block (three blocks), the next turn, its "
-        "device cache reset, restores nothing from the host where the "
-        "prompt's checkpoint one hit unit inside its last block should be; "
-        "the same prompt's checkpoint is restored without DCP "
-        "(kimi-offload-partial) and after an unaligned prompt (the "
-        "reference turns, as on B200). The offload scheduler's store of "
-        "that state under DCP (offloading/scheduler.py) is where to look",
-        found=harness.finding("scheduler-hit", "exact turn 1", hit=0),
-        # 0.34.0's scheduler restores it (a strict XPASS there).
-        releases=kimi.HOST_LOSS_RELEASES,
-    ),
-}
-
-
 def kimi_engines(
     model: Path,
     deployment: harness.Deployment,
@@ -96,5 +77,4 @@ KIMI = ReplayTier(
     _kimi_build,
     token_ids=kimi.BINDING.token_ids,
     kda_checkpoints=KDA_CHECKPOINTS,
-    known=KNOWN,
 )

@@ -272,6 +272,11 @@ class Known:
             raise ValueError("a refusal at config time leaves no record")
 
     @property
+    def replayed(self) -> bool:
+        """Whether the scheduler tier's replay shows it, not a served case."""
+        return self.found is not None and self.found.kind == "scheduler-hit"
+
+    @property
     def in_record(self) -> bool:
         """Whether a check of the record shows it (a finding)."""
         return self.found is not None

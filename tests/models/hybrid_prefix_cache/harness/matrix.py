@@ -153,8 +153,9 @@ class Case:
 @dataclass(frozen=True)
 class Matrix:
     """A binding's matrix: ``deployments`` x ``modes``, its ``known`` failures by
-    case id or cell (each must name a case; a case without its own takes its
-    cell's), the ``sweep`` cells (every sweep shape alone and at once: under
+    case id or cell (each must name a case, or a catalog workload on a cell; a
+    case without its own takes its cell's; the scheduler tier's, found by its
+    replay, judge the replay alone), the ``sweep`` cells (every sweep shape alone and at once: under
     ``batch_invariant_env``, on servers of their own where ``batch_servers``,
     and at the cell's servers' threads), and the cells of each of
     ``workloads``, on the cell's servers or on their own
@@ -178,10 +179,11 @@ class Matrix:
         if missing:
             raise ValueError(f"workloads not in the catalog: {missing}")
         object.__setattr__(self, "cases", self._build())
-        unknown = sorted(set(self.known) - set(self.cases))
+        cells = {case.cell for case in self.cases.values()}
+        replayed = {f"{cell}-{name}" for cell in cells for name in self.catalog}
+        unknown = sorted(set(self.known) - set(self.cases) - replayed)
         if unknown:
             raise ValueError(f"known failures name no case of the matrix: {unknown}")
-        cells = {case.cell for case in self.cases.values()}
         stray = sorted(
             {cell for cells_ in self.workloads.values() for cell in cells_} - cells
         )
@@ -248,7 +250,17 @@ class Matrix:
         """The known failures of a case (its own, or its cell's) that hold here."""
         case = self.cases[case_id]
         entries = self.known.get(case_id, self.known.get(case.cell, ()))
-        return tuple(known for known in entries if known.holds())
+        return tuple(k for k in entries if k.holds() and not k.replayed)
+
+    def replayed_known(self, cell: str) -> dict[str, Known]:
+        """The scheduler tier's known failures of ``cell`` that hold here, by
+        workload."""
+        return {
+            name: known
+            for name in self.catalog
+            for known in self.known.get(f"{cell}-{name}", ())
+            if known.holds() and known.replayed
+        }
 
     def run(
         self,

@@ -173,9 +173,9 @@ BuildFor = Callable[
 @dataclass(frozen=True)
 class ReplayTier:
     """A binding's cells as the scheduler tier replays them: its matrix, how a
-    cell's engines are built, the KDA checkpoint alignments each cell replays,
-    its token ids (None: the binding's), and its known failures of workloads
-    by (workload, cell id)."""
+    cell's engines are built, the KDA checkpoint alignments each cell replays
+    and its token ids (None: the binding's). Its known failures are its
+    matrix's (``Matrix.replayed_known``)."""
 
     name: str
     matrix: harness.Matrix
@@ -184,7 +184,6 @@ class ReplayTier:
     kda_checkpoints: Mapping[str, int | None] = field(
         default_factory=lambda: {"": None}
     )
-    known: Mapping[tuple[str, str], harness.Known] = field(default_factory=dict)
 
     def cells(self) -> dict[str, tuple[str, str]]:
         """(deployment, mode) by cell id, ``<tier>-<deployment>-<mode>``."""
@@ -210,11 +209,7 @@ class ReplayTier:
         name, mode_name = self.cells()[cell_id]
         deployment = self.matrix.deployments[name]
         mode = self.matrix.modes[mode_name]
-        known = {
-            workload: entry
-            for (workload, cell), entry in self.known.items()
-            if cell == cell_id and entry.holds()
-        }
+        known = self.matrix.replayed_known(f"{name}-{mode_name}")
         plans = {
             case.workload: (case.num_turns, case.resend)
             for case in self.matrix.cases.values()
