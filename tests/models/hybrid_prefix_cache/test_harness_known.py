@@ -344,9 +344,12 @@ def test_a_played_turn_is_final(tmp_path, monkeypatch):
     turn = Turn("conv", 1, 900, 700, 512, bound=640, prompt=[5] * 900)
     with case_session("c") as case:
         case.units = Units(block=256, hit=256)
-        case.turns.append(turn)
+        case.add(turn)
     assert case.record is not None
     (played,) = case.record.turns
+    # The session that wrote the record takes nothing more.
+    with pytest.raises(AssertionError, match="has ended"):
+        case.add(problem="found after the verdict")
     with pytest.raises(AttributeError):
         played.problems.append("found after the verdict")
     with pytest.raises(FrozenInstanceError, match="its record is final"):

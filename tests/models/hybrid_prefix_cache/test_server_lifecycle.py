@@ -36,9 +36,6 @@ from tests.models.hybrid_prefix_cache.harness import (
     ServerPool,
     server_specs,
 )
-from tests.models.hybrid_prefix_cache.harness.cases import (
-    serve_case,
-)
 from tests.models.hybrid_prefix_cache.harness.client import (
     complete,
     max_model_len,
@@ -215,7 +212,7 @@ def test_assertion_failure_in_a_case(binding):
     case = CaseSession("assertion-failure")
     with (
         pytest.raises(AssertionError, match="injected"),
-        serve_case(case, binding, PLAIN, Mode(), pool) as play,
+        case.serve(binding, PLAIN, Mode(), pool) as play,
     ):
         for server in play.servers:
             server.pids()

@@ -29,6 +29,7 @@ KIMI_SETTINGS = {
 # every Kimi cell replays both (kda_prefill_checkpoint_alignment).
 KDA_CHECKPOINTS = {"flashkda": 16, "triton": None}
 
+
 def kimi_engines(
     model: Path,
     deployment: harness.Deployment,

@@ -1,17 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Cases: how one runs, on its servers (:func:`serve_case`), as a growing
-conversation (:func:`run_case`) or a resend (:func:`run_resend`), each in a
-session judged by its known failures (harness/session.py)."""
+"""Cases: how one runs, as a growing conversation (:func:`run_case`) or a
+resend (:func:`run_resend`), each in a session on its servers
+(``CaseSession.serve``) judged by its known failures (harness/session.py)."""
 
-import contextlib
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import pytest
 
-from tests.models.hybrid_prefix_cache.harness.client import cache_config, send_checked
+from tests.models.hybrid_prefix_cache.harness.client import send_checked
 from tests.models.hybrid_prefix_cache.harness.compare import Turn
 from tests.models.hybrid_prefix_cache.harness.conversation import (
     Conversation,
@@ -40,8 +39,7 @@ from tests.models.hybrid_prefix_cache.harness.rules import (
     PlannedTurn,
 )
 from tests.models.hybrid_prefix_cache.harness.servers import ServerPool
-from tests.models.hybrid_prefix_cache.harness.session import CaseSession, case_session
-from tests.models.hybrid_prefix_cache.harness.window import close_window, open_window
+from tests.models.hybrid_prefix_cache.harness.session import case_session
 
 
 @dataclass
@@ -59,49 +57,6 @@ class Suite:
 
     def close(self) -> None:
         self.pool.close()
-
-
-@contextlib.contextmanager
-def serve_case(
-    case: CaseSession,
-    binding: Binding,
-    deployment: Deployment,
-    mode: Mode,
-    pool: ServerPool,
-    batched: bool = False,
-    prefill_step: bool = False,
-) -> Iterator[Play]:
-    """Get the case's servers from ``pool`` (started, or reused), record their
-    geometry, open the case's counter window and reconcile it at the end. A
-    case that ends in an exception stops its servers: they may be what broke."""
-    __tracebackhide__ = True
-    starts = pool.starts
-    servers = pool.acquire(binding, deployment, mode)
-    case.reused = pool.starts == starts
-    if not case.reused:
-        case.startup_seconds = [s.startup_seconds or 0.0 for s in servers]
-    try:
-        # The hit unit is the one of the instance that consults its prefix
-        # cache: the prefiller under P/D.
-        case.units = Units.from_cache_config(cache_config(servers[0]), mode)
-        case.window = open_window(servers)
-        case.play = Play(
-            servers,
-            binding,
-            deployment,
-            mode,
-            case.units,
-            binding.logprob_atol,
-            batched=batched,
-            prefill_step=prefill_step,
-        )
-        yield case.play
-        case.metrics, problems = close_window(case.window, mode, case.turns)
-        case.problems += problems
-    except (Exception, KeyboardInterrupt):
-        # Not on pytest's skip/xfail outcomes: those leave servers sound.
-        pool.close()
-        raise
 
 
 def _conversations(
@@ -155,18 +110,16 @@ def run_case(
     batched = concurrent or restores
     with (
         case_session(case_id, suite.records, known) as case,
-        serve_case(
-            case, binding, deployment, mode, suite.pool, batched, restores
-        ) as play,
+        case.serve(binding, deployment, mode, suite.pool, batched, restores) as play,
     ):
         conversations = _conversations(case_id, play, shapes, num_turns, resend)
         for _ in play_waves(play, conversations, case.turns):
             # A known bug's evidence confirms the case: later turns change
             # nothing (an XPASS still plays them all).
             if evidence_shown(case.entry, [p for t in case.turns for p in t.problems]):
-                case.notices.append(
-                    f"stopped after {case.turns[-1].name}: the known failure's "
-                    f"evidence showed ({case.entry.expects})"
+                case.add(
+                    notice=f"stopped after {case.turns[-1].name}: the known "
+                    f"failure's evidence showed ({case.entry.expects})"
                 )
                 break
         finish_turns(play, case.turns)
@@ -192,14 +145,14 @@ def run_resend(
     __tracebackhide__ = True
     with (
         case_session(case_id, suite.records, known) as case,
-        serve_case(case, binding, deployment, mode, suite.pool) as play,
+        case.serve(binding, deployment, mode, suite.pool) as play,
     ):
         if callable(prompt_len):
             prompt_len = prompt_len(play.units)
         prompt = random_tokens(random.Random(case_id), binding.token_ids, prompt_len)
         salt = fresh_salt("resend")
         cold = Turn("", 0, prompt_len, 0, 0, prompt=prompt, salt=salt)
-        case.turns.append(cold)
+        case.add(cold)
         cold.output, found = send_checked(play.servers, binding.model, prompt, salt)
         cold.problems += found
         if cold.output.cached_tokens != 0:
@@ -207,12 +160,12 @@ def run_resend(
                 f"cold request: cached {cold.output.cached_tokens}, expected 0"
             )
         resend = planned_turn(play, "", PlannedTurn(1, prompt_len, prompt_len, True))
-        case.turns.append(resend)
+        case.add(resend)
         play_turn(play, resend, prompt, salt)
         finish_turns(play, case.turns)
         if resend_problems is not None:
             resend.problems += resend_problems(resend, play)
         if failure is not None and any(turn.problems for turn in case.turns):
-            case.problems.append(failure(f"a {prompt_len}-token prompt"))
+            case.add(problem=failure(f"a {prompt_len}-token prompt"))
     assert case.record is not None
     return case.record

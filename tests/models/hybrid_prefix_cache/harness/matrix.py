@@ -155,9 +155,10 @@ class Matrix:
     """A binding's matrix: ``deployments`` x ``modes``, its ``known`` failures by
     case id or cell (each must name a case, or a catalog workload on a cell; a
     case without its own takes its cell's; the scheduler tier's, found by its
-    replay, judge the replay alone), the ``sweep`` cells (every sweep shape alone and at once: under
-    ``batch_invariant_env``, on servers of their own where ``batch_servers``,
-    and at the cell's servers' threads), and the cells of each of
+    replay, judge the replay alone), the ``sweep`` cells (every sweep shape
+    alone and at once: under ``batch_invariant_env``, on servers of their own
+    where ``batch_servers``, and at the cell's servers' threads), and the
+    cells of each of
     ``workloads``, on the cell's servers or on their own
     (``Workload.own_servers``), with ``workload_turns`` turns and no resend.
     """

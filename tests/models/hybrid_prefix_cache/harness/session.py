@@ -16,12 +16,16 @@ import pytest
 from tests.models.hybrid_prefix_cache.harness.client import (
     MAX_TOKENS,
     PREFILL_KV_TRANSFER_PARAMS,
+    cache_config,
 )
 from tests.models.hybrid_prefix_cache.harness.clock import CLOCK, PhaseClock
 from tests.models.hybrid_prefix_cache.harness.compare import NUM_LOGPROBS, Turn
 from tests.models.hybrid_prefix_cache.harness.conversation import Play
 from tests.models.hybrid_prefix_cache.harness.deployment import (
+    Binding,
+    Deployment,
     Known,
+    Mode,
     Units,
     select_known,
 )
@@ -37,14 +41,19 @@ from tests.models.hybrid_prefix_cache.harness.records import (
     report,
     serve_info,
 )
-from tests.models.hybrid_prefix_cache.harness.servers import report_folder
-from tests.models.hybrid_prefix_cache.harness.window import Window
+from tests.models.hybrid_prefix_cache.harness.servers import ServerPool, report_folder
+from tests.models.hybrid_prefix_cache.harness.window import (
+    Window,
+    close_window,
+    open_window,
+)
 
 
 @dataclass(repr=False)
 class CaseSession(CaseProblems):
-    """A case while it runs. ``record`` is None until :func:`case_session`
-    ends it; nothing writes to the session after that."""
+    """A case while it runs, and the only writer of its state: its servers
+    (:meth:`serve`), its turns, problems and notices (:meth:`add`). ``record``
+    is None until :func:`case_session` ends it; nothing writes after that."""
 
     case_id: str
     test: str = ""
@@ -63,6 +72,65 @@ class CaseSession(CaseProblems):
 
     def __repr__(self) -> str:
         return f"CaseSession({self.case_id!r}, {len(self.turns)} turns)"
+
+    def add(
+        self,
+        turn: Turn | None = None,
+        problem: str | None = None,
+        notice: str | None = None,
+    ) -> None:
+        """A turn as it starts (so a crash leaves it in the record), a problem
+        of the whole case, or a notice."""
+        assert self.record is None, f"{self.case_id} has ended"
+        if turn is not None:
+            self.turns.append(turn)
+        if problem is not None:
+            self.problems.append(problem)
+        if notice is not None:
+            self.notices.append(notice)
+
+    @contextlib.contextmanager
+    def serve(
+        self,
+        binding: Binding,
+        deployment: Deployment,
+        mode: Mode,
+        pool: ServerPool,
+        batched: bool = False,
+        prefill_step: bool = False,
+    ) -> Iterator[Play]:
+        """Get the case's servers from ``pool`` (started, or reused), record
+        their geometry, open the case's counter window and reconcile it at
+        the end. A case that ends in an exception stops its servers: they
+        may be what broke."""
+        __tracebackhide__ = True
+        starts = pool.starts
+        servers = pool.acquire(binding, deployment, mode)
+        self.reused = pool.starts == starts
+        if not self.reused:
+            self.startup_seconds = [s.startup_seconds or 0.0 for s in servers]
+        try:
+            # The hit unit is the one of the instance that consults its
+            # prefix cache: the prefiller under P/D.
+            self.units = Units.from_cache_config(cache_config(servers[0]), mode)
+            self.window = open_window(servers)
+            self.play = Play(
+                servers,
+                binding,
+                deployment,
+                mode,
+                self.units,
+                binding.logprob_atol,
+                batched=batched,
+                prefill_step=prefill_step,
+            )
+            yield self.play
+            self.metrics, problems = close_window(self.window, mode, self.turns)
+            self.problems += problems
+        except (Exception, KeyboardInterrupt):
+            # Not on pytest's skip/xfail outcomes: those leave servers sound.
+            pool.close()
+            raise
 
     @property
     def noise(self) -> PathNoise | None:  # type: ignore[override]

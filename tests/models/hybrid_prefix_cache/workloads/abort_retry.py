@@ -7,7 +7,6 @@ no step wrote)."""
 import random
 import time
 
-from tests.models.hybrid_prefix_cache.harness.cases import serve_case
 from tests.models.hybrid_prefix_cache.harness.client import (
     PREFILL_KV_TRANSFER_PARAMS,
     complete,
@@ -92,7 +91,7 @@ def play(run: WorkloadRun) -> CaseRecord:
     )
     with run.session() as case:
         budget = run.needs_in_process().budget(deployment, mode)
-        with serve_case(case, binding, deployment, mode, run.suite.pool) as play:
+        with case.serve(binding, deployment, mode, run.suite.pool) as play:
             servers, model = play.servers, binding.model
             caching, pd = servers[0], len(servers) > 1
             seen = abort_retry_length(play.units, budget)
@@ -111,7 +110,7 @@ def play(run: WorkloadRun) -> CaseRecord:
                 for index in range(2)
             ]
             for clock in clocks:
-                case.turns.append(clock)
+                case.add(clock)
                 start = time.monotonic()
                 clock.output = send(servers, model, prompt, clock.salt)
                 clock.seconds = time.monotonic() - start
@@ -136,13 +135,11 @@ def play(run: WorkloadRun) -> CaseRecord:
                             kv_transfer_params=answered.kv_transfer_params,
                         )
                     # Answered before the client gave up: a cold request.
-                    case.turns.append(
-                        Turn("answered", attempt, length, 0, 0, output=answered)
-                    )
+                    case.add(Turn("answered", attempt, length, 0, 0, output=answered))
                 retry = planned_turn(
                     play, "retry", PlannedTurn(attempt, length, length)
                 )
-                case.turns.append(retry)
+                case.add(retry)
                 send_turn(play, retry, prompt, salt)
                 # Counted once the retry's (and its twin's) stats are exported.
                 sent = 1 + (retry.twin is not None)
@@ -161,24 +158,24 @@ def play(run: WorkloadRun) -> CaseRecord:
                     landed, seen, play.units, mode.drops_unit
                 )
                 recompute_turn(play, retry)
-                case.notices.append(
-                    f"attempt {attempt}: the client gave up after {after * 1e3:.0f} ms "
-                    f"(a cold request took {took * 1e3:.0f} ms): {landed}; the retry "
-                    f"cached {retry.restored}"
+                case.add(
+                    notice=f"attempt {attempt}: the client gave up after "
+                    f"{after * 1e3:.0f} ms (a cold request took {took * 1e3:.0f} "
+                    f"ms): {landed}; the retry cached {retry.restored}"
                 )
                 if landed == "mid-prefill":
                     break
                 after = after * 2 if landed == "before admission" else after / 2
             else:
-                case.problems.append(
-                    f"abort-retry: no abort of the {seen}-token prompt landed "
+                case.add(
+                    problem=f"abort-retry: no abort of the {seen}-token prompt landed "
                     f"mid-prefill in {ABORT_ATTEMPTS} attempts (the notices say "
                     f"where each did)"
                 )
             finish_turns(play, case.turns)
             if not case.ok:
-                case.problems.append(
-                    WORKLOAD.failure(
+                case.add(
+                    problem=WORKLOAD.failure(
                         f"a {length}-token prompt, its first chunk of {budget} tokens "
                         f"a step ending on its checkpoint"
                     )

@@ -7,7 +7,6 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tests.models.hybrid_prefix_cache.harness.cases import serve_case
 from tests.models.hybrid_prefix_cache.harness.client import MAX_TOKENS, send_checked
 from tests.models.hybrid_prefix_cache.harness.compare import Turn
 from tests.models.hybrid_prefix_cache.harness.conversation import (
@@ -109,11 +108,11 @@ def play(run: WorkloadRun) -> CaseRecord:
     with run.session() as case:
         plan_ = plan(run.needs_in_process(), binding, run.deployment, mode, case_id)
         served = with_serve_args(run.deployment, plan_.args)
-        with serve_case(case, binding, served, mode, run.suite.pool) as play:
+        with case.serve(binding, served, mode, run.suite.pool) as play:
             if plan_.held == plan_.held_before:
-                case.problems.append(
-                    f"eviction: the replay's {plan_.pressure} pressure requests "
-                    f"evicted nothing of the conversation (each group held "
+                case.add(
+                    problem=f"eviction: the replay's {plan_.pressure} pressure "
+                    f"requests evicted nothing of the conversation (each group held "
                     f"{list(plan_.held)} before and after them)"
                 )
             # The replay's lengths, the case's own tokens.
@@ -122,7 +121,7 @@ def play(run: WorkloadRun) -> CaseRecord:
             prompt = random_tokens(rng, tokens, first_len)
             salt = fresh_salt("eviction")
             first = Turn("first", 0, first_len, 0, 0, prompt=prompt, salt=salt)
-            case.turns.append(first)
+            case.add(first)
             first.output, found = send_checked(
                 play.servers, binding.model, prompt, salt
             )
@@ -133,14 +132,14 @@ def play(run: WorkloadRun) -> CaseRecord:
                 other = random_tokens(rng, tokens, filler)
                 pressure = Turn("pressure", index, filler, 0, 0, prompt=other)
                 pressure.salt = fresh_salt("pressure")
-                case.turns.append(pressure)
+                case.add(pressure)
                 pressure.output, found = send_checked(
                     play.servers, binding.model, other, pressure.salt
                 )
                 pressure.problems += found
             turn = planned_turn(play, "evicted", PlannedTurn(1, len(grown), first_len))
             turn.expected, turn.bound = plan_.hit, min(plan_.held)
-            case.turns.append(turn)
+            case.add(turn)
             play_turn(play, turn, grown, salt)
             assert turn.output is not None
             hits = {
@@ -167,15 +166,15 @@ def play(run: WorkloadRun) -> CaseRecord:
                 if plan_.decoder_hit is None
                 else f" (the decoder's own cache {plan_.decoder_hit})"
             )
-            case.notices.append(
-                f"{plan_.pressure} pressure requests of {filler} tokens; replayed "
-                f"in-process, each group held {list(plan_.held_before)} of the next "
-                f"turn before them and {list(plan_.held)} after, and vLLM's "
-                f"scheduler hit {plan_.hit}{decoder}"
+            case.add(
+                notice=f"{plan_.pressure} pressure requests of {filler} tokens; "
+                f"replayed in-process, each group held {list(plan_.held_before)} "
+                f"of the next turn before them and {list(plan_.held)} after, and "
+                f"vLLM's scheduler hit {plan_.hit}{decoder}"
             )
             if not case.ok:
-                case.problems.append(
-                    WORKLOAD.failure(
+                case.add(
+                    problem=WORKLOAD.failure(
                         f"a pool of {' '.join(plan_.args)}, {plan_.pressure} "
                         f"pressure requests"
                     )

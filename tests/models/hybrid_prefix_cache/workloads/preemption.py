@@ -17,7 +17,6 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from tests.models.hybrid_prefix_cache.harness.cases import serve_case
 from tests.models.hybrid_prefix_cache.harness.client import (
     MAX_TOKENS,
     complete,
@@ -237,8 +236,8 @@ def play(run: WorkloadRun) -> CaseRecord:
         served = with_serve_args(deployment, planned.args)
         # Where the replay cut the resumed prefill: the real servers' own
         # chunks are not observable, only what they did to the state.
-        case.notices.append(f"{WORKLOAD.name}: {_described(planned)}")
-        with serve_case(case, binding, served, mode, run.suite.pool) as p:
+        case.add(notice=f"{WORKLOAD.name}: {_described(planned)}")
+        with case.serve(binding, served, mode, run.suite.pool) as p:
             server, rng = p.servers[0], random.Random(run.case_id)
             salts = [fresh_salt("preempted") for _ in range(replayed.requests)]
             prompts = [
@@ -248,17 +247,17 @@ def play(run: WorkloadRun) -> CaseRecord:
             samples = _at_once(server, binding, shape, prompts, salts)
             moved = _preemptions(server) - before
             if moved < 1:
-                case.problems.append(
-                    f"the server preempted nothing ({PREEMPTIONS} moved by {moved}), "
-                    f"where the replay preempted request {replayed.resumed} after "
-                    f"{replayed.preempted_at} outputs"
+                case.add(
+                    problem=f"the server preempted nothing ({PREEMPTIONS} moved "
+                    f"by {moved}), where the replay preempted request "
+                    f"{replayed.resumed} after {replayed.preempted_at} outputs"
                 )
             for index, sample in enumerate(samples):
                 turn = Turn(
                     "request", index, shape.prompt_len, 0, 0, prompt=prompts[index]
                 )
                 turn.salt, turn.output = salts[index], sample
-                case.turns.append(turn)
+                case.add(turn)
             other = 0 if replayed.resumed else 1
             # What each salt stored: the prompt and every computed output.
             stored = shape.prompt_len + shape.max_tokens - 1
@@ -268,11 +267,11 @@ def play(run: WorkloadRun) -> CaseRecord:
                 planned_ = PlannedTurn(index, len(prompt), stored)
                 turn = planned_turn(p, "follow-up", planned_)
                 turn.expected = hit
-                case.turns.append(turn)
+                case.add(turn)
                 play_turn(p, turn, prompt, salts[index])
             finish_turns(p, case.turns)
             if not case.ok:
-                case.problems.append(WORKLOAD.failure(_described(planned)))
+                case.add(problem=WORKLOAD.failure(_described(planned)))
     assert case.record is not None
     return case.record
 

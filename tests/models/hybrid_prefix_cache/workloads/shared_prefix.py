@@ -7,7 +7,6 @@ junction's checkpoint."""
 
 import random
 
-from tests.models.hybrid_prefix_cache.harness.cases import serve_case
 from tests.models.hybrid_prefix_cache.harness.conversation import (
     finish_turns,
     fresh_salt,
@@ -53,7 +52,7 @@ def play(run: WorkloadRun) -> CaseRecord:
     __tracebackhide__ = True
     with (
         run.session() as case,
-        serve_case(case, run.binding, run.deployment, run.mode, run.suite.pool) as p,
+        case.serve(run.binding, run.deployment, run.mode, run.suite.pool) as p,
     ):
         rng, tokens = random.Random(run.case_id), run.binding.token_ids
         shared = random_tokens(rng, tokens, shared_prefix_length(p.units))
@@ -67,12 +66,12 @@ def play(run: WorkloadRun) -> CaseRecord:
             )
             # The first two need not hit; the bound stays the shared prefix.
             turn.expected = junction if index >= 2 else 0
-            case.turns.append(turn)
+            case.add(turn)
             play_turn(p, turn, prompt, salt)
         finish_turns(p, case.turns)
         if any(turn.problems for turn in case.turns):
-            case.problems.append(
-                WORKLOAD.failure(
+            case.add(
+                problem=WORKLOAD.failure(
                     f"the junction checkpoint of the shared {len(shared)}-token "
                     f"prefix is {junction}"
                 )

@@ -8,7 +8,7 @@ block by a state written short of it)."""
 import random
 from collections.abc import Sequence
 
-from tests.models.hybrid_prefix_cache.harness.cases import run_case, serve_case
+from tests.models.hybrid_prefix_cache.harness.cases import run_case
 from tests.models.hybrid_prefix_cache.harness.compare import Turn, compare
 from tests.models.hybrid_prefix_cache.harness.conversation import (
     planned_turn,
@@ -160,16 +160,16 @@ def play(run: WorkloadRun) -> CaseRecord:
     served = with_serve_args(deployment, small_budget_args(default.units))
     with (
         run.session() as case,
-        serve_case(case, binding, served, mode, suite.pool) as play,
+        case.serve(binding, served, mode, suite.pool) as play,
     ):
         if not default.ok:
-            case.problems.append(
-                f"the default budget's case {default_id} failed, so nothing here "
-                f"compares with it: {default.failures()[0]}"
+            case.add(
+                problem=f"the default budget's case {default_id} failed, so "
+                f"nothing here compares with it: {default.failures()[0]}"
             )
         if play.units != default.units:
-            case.problems.append(
-                f"a budget of {budget} resolves {play.units}, the default "
+            case.add(
+                problem=f"a budget of {budget} resolves {play.units}, the default "
                 f"{default.units}"
             )
         # The default case's seed: the same prompts, as long as each turn's
@@ -193,11 +193,11 @@ def play(run: WorkloadRun) -> CaseRecord:
         prompt += random_tokens(rng, binding.token_ids, length - shared)
         branch = planned_turn(play, "branch", PlannedTurn(0, length, shared))
         branch.expected = branch_checkpoint(shared, play.units, mode.drops_unit)
-        case.turns.append(branch)
+        case.add(branch)
         play_turn(play, branch, prompt, first.salt)
         if not case.ok:
-            case.problems.append(
-                WORKLOAD.failure(
+            case.add(
+                problem=WORKLOAD.failure(
                     f"a budget of {budget} tokens a step against the default of "
                     f"{default_id}"
                 )
