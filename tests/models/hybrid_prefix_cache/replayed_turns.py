@@ -114,7 +114,7 @@ def lost_checkpoint_turn(
         conversation=shape,
         drops_unit=drops_unit,
     )
-    check_turn(played, Units(block=block or unit, hit=unit), 0.0)
+    played.take(check_turn(played, Units(block=block or unit, hit=unit), 0.0))
     return played
 
 
@@ -140,7 +140,7 @@ def lost_resend_turn(
         backoff=backoff,
         drops_unit=drops_unit,
     )
-    check_turn(played, Units(block=unit, hit=unit), 0.0)
+    played.take(check_turn(played, Units(block=unit, hit=unit), 0.0))
     return played
 
 
@@ -172,7 +172,7 @@ def restored_apart_turn(
         conversation=shape,
         **twin,
     )
-    check_turn(played, Units(block=block or unit, hit=unit), 0.0)
+    played.take(check_turn(played, Units(block=block or unit, hit=unit), 0.0))
     return played
 
 
@@ -203,7 +203,7 @@ def branch_apart_turn(
         **twin,
     )
     played.expected = cached
-    check_turn(played, units, 0.0)
+    played.take(check_turn(played, units, 0.0))
     return played
 
 

@@ -12,7 +12,7 @@ from tests.models.hybrid_prefix_cache.harness import (
     Mode,
     Units,
 )
-from tests.models.hybrid_prefix_cache.harness.compare import Turn, check_turn
+from tests.models.hybrid_prefix_cache.harness.compare import Turn, check_turn, take_each
 from tests.models.hybrid_prefix_cache.harness.conversation import Play
 from tests.models.hybrid_prefix_cache.harness.restores import (
     ALONE,
@@ -78,8 +78,8 @@ def wave_turns(hit_gaps, alone_hit_shift: int = 0):
 
 def judge(turns: list[Turn]) -> list[str]:
     for t in turns:
-        check_turn(t, Units(block=256, hit=256), 0.0)
-    check_prefill_steps(turns)
+        t.take(check_turn(t, Units(block=256, hit=256), 0.0))
+    take_each(turns, check_prefill_steps(turns))
     return [p for t in turns for p in t.problems]
 
 

@@ -12,6 +12,7 @@ from tests.models.hybrid_prefix_cache.harness import (
 from tests.models.hybrid_prefix_cache.harness.compare import (
     Turn,
     check_turn,
+    take_each,
 )
 from tests.models.hybrid_prefix_cache.harness.paths import (
     check_paths,
@@ -43,7 +44,7 @@ def test_a_dspark_resend_hits_exactly_the_rule(cached, ok):
         resend=True,
         drops_unit=True,
     )
-    check_turn(t, Units(block=6144, hit=128), None, drops_unit=True)
+    t.take(check_turn(t, Units(block=6144, hit=128), None, drops_unit=True))
     assert (t.problems == []) is ok
     if not ok:
         assert "get_mamba_prefill_checkpoint_position" in t.problems[0]
@@ -54,7 +55,7 @@ def test_a_growing_turn_above_the_rule_is_a_notice():
     t = turn(
         1, 896, 1673, 128, sample(cached=896, prompt_len=1673), sample(prompt_len=1673)
     )
-    check_turn(t, Units(block=128, hit=128), 0.0)
+    t.take(check_turn(t, Units(block=128, hit=128), 0.0))
     assert t.problems == [] and "above the expected 768" in t.notices[0]
 
 
@@ -83,9 +84,10 @@ def test_a_mid_block_hit_is_held_to_the_measured_noise():
     """Not bit for bit: within the case's tolerance it passes, and its
     comparison says it used the measured noise."""
     played = mid_block_turn(hit_gap=0.03, control_gap=0.01)
-    check_turn(played, Units(block=80, hit=16), 0.0)
+    played.take(check_turn(played, Units(block=80, hit=16), 0.0))
     assert played.problems == [] and played.comparisons == []
-    noise = check_paths([played], 0.0)
+    noise, found = check_paths([played], 0.0)
+    take_each([played], found)
     assert noise is not None and noise.floor == pytest.approx(0.01)
     (comparison,) = played.comparisons
     assert comparison.what == "hit vs recompute (mid-block: measured noise)"
@@ -95,8 +97,8 @@ def test_a_mid_block_hit_is_held_to_the_measured_noise():
 
 def test_a_mid_block_hit_beyond_the_noise_names_the_restored_state():
     played = mid_block_turn(hit_gap=0.2, control_gap=0.01)
-    check_turn(played, Units(block=80, hit=16), 0.0)
-    check_paths([played], 0.0)
+    played.take(check_turn(played, Units(block=80, hit=16), 0.0))
+    take_each([played], check_paths([played], 0.0)[1])
     (problem,) = played.problems
     assert "restored from the prefix cache mid-block" in problem
     assert "the restored state is wrong" in problem
@@ -106,6 +108,6 @@ def test_a_hit_on_a_block_stays_exact_where_only_blocks_are():
     """A hit on a block boundary is on its recompute's path: any gap fails."""
     hit = sample(1e-3, cached=240, prompt_len=1018)
     played = turn(1, 241, 1018, 16, hit, sample(prompt_len=1018))
-    check_turn(played, Units(block=80, hit=16), 0.0)
+    played.take(check_turn(played, Units(block=80, hit=16), 0.0))
     (problem,) = played.problems
     assert "on the same path" in problem and "restored state is wrong" in problem

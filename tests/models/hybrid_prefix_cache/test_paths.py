@@ -17,6 +17,7 @@ from tests.models.hybrid_prefix_cache.harness.compare import (
     check_turn,
     compare,
     logprob_gap,
+    take_each,
 )
 from tests.models.hybrid_prefix_cache.harness.paths import (
     PATH_NOISE_MARGIN,
@@ -42,8 +43,9 @@ pytestmark = pytest.mark.skip_global_cleanup
 
 def play(turns: list[Turn], unit: int, atol: float | None = 0.0):
     for t in turns:
-        check_turn(t, Units(block=unit, hit=unit), atol, drops_unit=False)
-    noise = check_paths(turns, atol)
+        t.take(check_turn(t, Units(block=unit, hit=unit), atol, drops_unit=False))
+    noise, found = check_paths(turns, atol)
+    take_each(turns, found)
     return noise, [p for t in turns for p in t.problems]
 
 
@@ -151,7 +153,7 @@ def test_further_controls_leave_a_token_of_the_recompute_to_compare():
 
 def test_a_cold_turn_apart_on_one_path_is_not_called_a_restored_state():
     t = turn(0, 0, 805, 256, sample(2**-7), sample())
-    check_turn(t, Units(block=256, hit=256), 0.0)
+    t.take(check_turn(t, Units(block=256, hit=256), 0.0))
     assert len(t.problems) == 1
     assert "restored nothing" in t.problems[0] and "not deterministic" in t.problems[0]
     assert "restored state" not in t.problems[0]
@@ -265,13 +267,15 @@ def test_a_near_tie_across_paths_passes_and_one_beyond_the_noise_fails():
     alone = Sample([11, 12], "", [-0.5, -0.25 + 2**-7], rec.top_logprobs, 10, 0)
     t = turn(1, 129, 10, 128, near, alone, twin=rec, batched=True)
     t.expected, t.bound = 0, 0
-    noise, problems = check_paths([t], 0.0), t.problems
+    noise, found = check_paths([t], 0.0)
+    take_each([t], found)
+    problems = t.problems
     assert noise.floor == 2**-7
     assert problems == [] and any("near tie" in n for n in t.notices)
     # The same divergence on one path fails.
     same = turn(1, 129, 10, 128, near, rec)
     same.expected = 0
-    check_turn(same, Units(block=128, hit=128), 0.0)
+    same.take(check_turn(same, Units(block=128, hit=128), 0.0))
     assert any("on the same path: first diverging token" in p for p in same.problems)
     # And across paths when the runner-up sits beyond the tolerance.
     far = Sample(
@@ -283,7 +287,7 @@ def test_a_near_tie_across_paths_passes_and_one_beyond_the_noise_fails():
         128,
     )
     t2 = turn(1, 129, 10, 128, far, alone, twin=rec, batched=True)
-    check_paths([t2], 0.0)
+    take_each([t2], check_paths([t2], 0.0)[1])
     assert any("not a near tie" in p for p in t2.problems)
 
 
@@ -328,18 +332,17 @@ def test_a_pd_parting_is_judged_by_the_measured_noise(parting):
     check_logprobs_close's fixed top-k."""
     twin_top, alone_top, tolerance = AMD_PD_PARTINGS[parting]
     t = parting_turn(twin_top, alone_top)
-    why = compare(
-        t, t.twin, t.recompute, ("cold twin", "decoder alone"), tolerance, False
-    )
+    names = ("cold twin", "decoder alone")
+    why, seen = compare(t.name, t.twin, t.recompute, names, tolerance, False)
     if parting == "within":
-        assert why == "" and any("near tie" in n for n in t.notices)
+        assert why == "" and any("near tie" in n for n in seen.notices)
     else:
         assert why.startswith("not a near tie within 0.584")
     # The same parting with no measured tolerance: check_logprobs_close
     # decides, and the decoder's choice is not in the twin's top-5 or the
     # twin's ranked well below.
     t = parting_turn(twin_top, alone_top)
-    why = compare(t, t.twin, t.recompute, ("cold twin", "decoder alone"), None, False)
+    why, _ = compare(t.name, t.twin, t.recompute, names, None, False)
     assert why.startswith("beyond check_logprobs_close") == (parting == "within")
 
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from tests.models.hybrid_prefix_cache.harness.compare import Sample, Turn
+from tests.models.hybrid_prefix_cache.harness.compare import Sample, Turn, take_each
 from tests.models.hybrid_prefix_cache.harness.paths import check_paths
 from tests.models.hybrid_prefix_cache.harness.transfer import (
     check_transfer,
@@ -68,7 +68,7 @@ def test_the_relay_prompt_is_the_prompt_and_the_recompute_first_token():
 
 def test_an_exact_transfer_passes_and_is_recorded_as_exact():
     played = _pd_turn()
-    check_transfer(played, 0.0)
+    played.take(check_transfer(played, 0.0))
     assert played.problems == []
     whats = {c.what: c for c in played.comparisons}
     relay = whats["transfer relay vs decoder alone one token on"]
@@ -78,14 +78,14 @@ def test_an_exact_transfer_passes_and_is_recorded_as_exact():
 
 def test_a_relay_off_by_rounding_fails_naming_the_transferred_state():
     played = _pd_turn(relay_gap=2**-8)
-    check_transfer(played, 0.0)
+    played.take(check_transfer(played, 0.0))
     assert len(played.problems) == 1
     assert "the transferred state is wrong" in played.problems[0]
 
 
 def test_a_decoder_apart_from_the_prefiller_fails_naming_the_decoder():
     played = _pd_turn(prefiller_gap=0.1)
-    check_transfer(played, 0.0)
+    played.take(check_transfer(played, 0.0))
     assert len(played.problems) == 1
     assert "the decoder computes wrongly" in played.problems[0]
 
@@ -93,9 +93,9 @@ def test_a_decoder_apart_from_the_prefiller_fails_naming_the_decoder():
 def test_where_a_relay_exists_no_twin_is_held_to_measured_noise():
     played = _pd_turn()
     played.twin = sample(gap=0.5)  # across paths: the relay judges the transfer
-    check_paths([played], 0.0)
+    take_each([played], check_paths([played], 0.0)[1])
     assert played.problems == []
     played.relay = None
     played.control = sample(shift=1)
-    check_paths([played], 0.0)
+    take_each([played], check_paths([played], 0.0)[1])
     assert "the transferred state is wrong" in played.problems[0]

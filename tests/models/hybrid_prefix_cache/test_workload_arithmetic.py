@@ -17,6 +17,7 @@ from tests.models.hybrid_prefix_cache.harness import (
 from tests.models.hybrid_prefix_cache.harness.compare import (
     Sample,
     Turn,
+    take_each,
 )
 from tests.models.hybrid_prefix_cache.harness.workload import Workload
 from tests.models.hybrid_prefix_cache.scheduler.preempt import (
@@ -171,14 +172,15 @@ def test_budget_problems_hold_turns_to_the_default():
     # Equal hits and outputs, and recomputes 1e-3 apart: a tolerance of 4e-3.
     small = [_budget_turn(0, sample(0), sample(0, 1e-3))]
     small.append(_budget_turn(1, sample(768, 3e-3), sample(0)))
-    noise = small_budget.budget_problems(small, defaults, 384, 0.0)
+    noise, found = small_budget.budget_problems(small, defaults, 384, 0.0)
+    take_each(small, found)
     assert noise is not None and noise.pairs == 2
     assert noise.tolerance == pytest.approx(4e-3)
     assert not [p for turn in small for p in turn.problems]
     # Another hit, an output beyond the noise, another prompt.
     small = [_budget_turn(0, sample(0), sample(0, 1e-3))]
     small.append(_budget_turn(1, sample(512, 9e-3), sample(0)))
-    small_budget.budget_problems(small, defaults, 384, 0.0)
+    take_each(small, small_budget.budget_problems(small, defaults, 384, 0.0)[1])
     (hit, apart) = small[1].problems
     assert "cached 512 under a budget of 384, 768 under the default" in hit
     assert "differs from the same hit under the default budget" in apart
@@ -187,7 +189,7 @@ def test_budget_problems_hold_turns_to_the_default():
         _budget_turn(1, sample(768), sample(0)),
     ]
     small[1].prompt = [7]
-    small_budget.budget_problems(small, defaults, 384, 0.0)
+    take_each(small, small_budget.budget_problems(small, defaults, 384, 0.0)[1])
     assert "its prompt is not the default budget's" in small[1].problems[0]
 
 
@@ -199,12 +201,15 @@ def test_budget_problems_where_chunk_ends_do_not_matter_are_exact():
     defaults.append(_budget_turn(1, sample(768), sample(0)))
     small = [_budget_turn(0, sample(0), sample(0))]
     small.append(_budget_turn(1, sample(768), sample(0)))
-    assert small_budget.budget_problems(small, defaults, 384, 0.0, exact=True) is None
+    noise, found = small_budget.budget_problems(small, defaults, 384, 0.0, exact=True)
+    take_each(small, found)
+    assert noise is None
     assert not [p for turn in small for p in turn.problems]
     # A recompute and a hit a rounding step off: no noise widens either.
     small = [_budget_turn(0, sample(0), sample(0, 2**-12))]
     small.append(_budget_turn(1, sample(768, 2**-12), sample(0)))
-    small_budget.budget_problems(small, defaults, 384, 0.0, exact=True)
+    _, found = small_budget.budget_problems(small, defaults, 384, 0.0, exact=True)
+    take_each(small, found)
     assert (
         "where a prefill's chunks end changes its arithmetic" in (small[0].problems[0])
     )
@@ -215,7 +220,9 @@ def test_budget_problems_where_chunk_ends_do_not_matter_are_exact():
     # Not exact and no recomputes to measure noise on: check_logprobs_close
     # decides, as before there was an exact mode.
     bare = [_budget_turn(0, sample(0), None), _budget_turn(1, sample(768), None)]
-    assert small_budget.budget_problems(bare, defaults, 384, 0.0) is None
+    noise, found = small_budget.budget_problems(bare, defaults, 384, 0.0)
+    take_each(bare, found)
+    assert noise is None
     assert {c.judged for turn in bare for c in turn.comparisons} == {
         "check_logprobs_close"
     }

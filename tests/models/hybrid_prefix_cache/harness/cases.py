@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from tests.models.hybrid_prefix_cache.harness.client import send_checked
-from tests.models.hybrid_prefix_cache.harness.compare import Turn
+from tests.models.hybrid_prefix_cache.harness.compare import Found, Turn
 from tests.models.hybrid_prefix_cache.harness.conversation import (
     Conversation,
     Play,
@@ -154,17 +154,16 @@ def run_resend(
         cold = Turn("", 0, prompt_len, 0, 0, prompt=prompt, salt=salt)
         case.add(cold)
         cold.output, found = send_checked(play.servers, binding.model, prompt, salt)
-        cold.problems += found
+        cold.take(Found(tuple(found)))
         if cold.output.cached_tokens != 0:
-            cold.problems.append(
-                f"cold request: cached {cold.output.cached_tokens}, expected 0"
-            )
+            hit = f"cold request: cached {cold.output.cached_tokens}, expected 0"
+            cold.take(Found((hit,)))
         resend = planned_turn(play, "", PlannedTurn(1, prompt_len, prompt_len, True))
         case.add(resend)
         play_turn(play, resend, prompt, salt)
         finish_turns(play, case.turns)
         if resend_problems is not None:
-            resend.problems += resend_problems(resend, play)
+            resend.take(Found(tuple(resend_problems(resend, play))))
         if failure is not None and any(turn.problems for turn in case.turns):
             case.add(problem=failure(f"a {prompt_len}-token prompt"))
     assert case.record is not None

@@ -5,6 +5,7 @@ against the request on its numerical path (:func:`check_turn`). Pure; the
 cross-path comparisons are in paths.py."""
 
 import math
+from collections.abc import Sequence
 from dataclasses import FrozenInstanceError, dataclass, field, replace
 
 from tests.models.hybrid_prefix_cache.harness.deployment import Units
@@ -74,6 +75,23 @@ class Comparison:
         return "exact" if self.tolerance == 0 else "same-path tolerance"
 
 
+@dataclass(frozen=True)
+class Found:
+    """What a check found on a turn, returned for the turn to take
+    (:meth:`Turn.take`): its problems, notices and the comparisons it made."""
+
+    problems: tuple[str, ...] = ()
+    notices: tuple[str, ...] = ()
+    comparisons: tuple[Comparison, ...] = ()
+
+    def __add__(self, other: "Found") -> "Found":
+        return Found(
+            self.problems + other.problems,
+            self.notices + other.notices,
+            self.comparisons + other.comparisons,
+        )
+
+
 @dataclass
 class Turn:
     conversation: str
@@ -121,6 +139,12 @@ class Turn:
             raise FrozenInstanceError(f"{self.name} was played: its record is final")
         super().__setattr__(name, value)
 
+    def take(self, found: Found) -> None:
+        """Record what a check of this turn found (the checks return it)."""
+        self.problems += found.problems
+        self.notices += found.notices
+        self.comparisons += found.comparisons
+
     def played(self) -> "Turn":
         """The turn as its record keeps it: a copy whose fields and lists no
         check can change any more (a problem added later is refused)."""
@@ -147,6 +171,12 @@ class Turn:
         if self.output.token_ids != self.recompute.token_ids:
             return None
         return logprob_gap(self.output, self.recompute)[0]
+
+
+def take_each(turns: Sequence[Turn], found: Sequence[Found]) -> None:
+    """Each of ``turns`` takes what a check of them all found for it."""
+    for turn, seen in zip(turns, found, strict=True):
+        turn.take(seen)
 
 
 def _top(sample: Sample, index: int) -> str:
@@ -212,46 +242,47 @@ def near_tie(a: Sample, b: Sample, index: int, tolerance: float) -> bool:
 
 
 def compare(
-    turn: Turn,
+    name: str,
     a: Sample,
     b: Sample,
     names: tuple[str, str],
     tolerance: float | None,
     same_path: bool,
-) -> str:
-    """Record ``a`` against ``b`` on ``turn``; return why it fails, or "".
-    Across paths a divergence may be a :func:`near_tie` (check_logprobs_close's
-    fixed top-k would fail noise that wide); None: check_logprobs_close."""
+) -> tuple[str, Found]:
+    """``a`` against ``b`` on the turn ``name``: why it fails ("" if it does
+    not), and the comparison and notices found. Across paths a divergence may
+    be a :func:`near_tie` (check_logprobs_close's fixed top-k would fail noise
+    that wide); None: check_logprobs_close."""
     gap, part = logprob_gap(a, b)
     divergence = first_divergence(a, b, names)
-    turn.comparisons.append(
-        Comparison(f"{names[0]} vs {names[1]}", gap, tolerance, same_path, divergence)
-    )
+    what = f"{names[0]} vs {names[1]}"
+    seen = Found(comparisons=(Comparison(what, gap, tolerance, same_path, divergence),))
     if tolerance is None:
         try:
             check_logprobs_close(
                 outputs_0_lst=[b.as_tokens_text_logprobs()],
                 outputs_1_lst=[a.as_tokens_text_logprobs()],
-                name_0=f"{turn.name} {names[1]}",
-                name_1=f"{turn.name} {names[0]}",
+                name_0=f"{name} {names[1]}",
+                name_1=f"{name} {names[0]}",
             )
         except AssertionError as e:
-            return f"beyond check_logprobs_close: {e}"
+            return f"beyond check_logprobs_close: {e}", seen
         if divergence:
-            turn.notices.append(f"{turn.name}: {divergence} (check_logprobs_close)")
-        return ""
+            notice = f"{name}: {divergence} (check_logprobs_close)"
+            seen += Found(notices=(notice,))
+        return "", seen
     if divergence:
         if same_path:
-            return f"on the same path: {divergence}"
+            return f"on the same path: {divergence}", seen
         if part is None or not near_tie(a, b, part, tolerance):
-            return f"not a near tie within {tolerance:.3g}: {divergence}"
-        turn.notices.append(
-            f"{turn.name}: near tie within the path tolerance {tolerance:.3g}: "
-            f"{divergence}"
+            return f"not a near tie within {tolerance:.3g}: {divergence}", seen
+        notice = (
+            f"{name}: near tie within the path tolerance {tolerance:.3g}: {divergence}"
         )
+        seen += Found(notices=(notice,))
     if gap > tolerance:
-        return f"sampled logprobs differ by {gap:.3g} > {tolerance:.3g}"
-    return ""
+        return f"sampled logprobs differ by {gap:.3g} > {tolerance:.3g}", seen
+    return "", seen
 
 
 def _resend_problems(turn: Turn, units: Units, drops_unit: bool) -> list[str]:
@@ -281,43 +312,45 @@ def check_turn(
     logprob_atol: float | None,
     compare_logprobs: bool = True,
     drops_unit: bool = False,
-) -> None:
-    """Record the turn's problems and notices: its hit against the rule, its
-    salts, and its output against the request on its path. Cross-path
-    comparisons wait for the path noise (paths.check_paths)."""
+) -> Found:
+    """The turn's problems and notices: its hit against the rule, its salts,
+    and its output against the request on its path. Cross-path comparisons
+    wait for the path noise (paths.check_paths)."""
     out, rec = turn.output, turn.recompute
     assert out is not None and rec is not None
     name = turn.name
+    problems: list[str] = []
+    notices: list[str] = []
     prev_seen, prompt_seen = seen_lengths(turn.prev_len, turn.prompt_len, turn.backoff)
     for sample, what in ((out, "hit"), (rec, "recompute"), (turn.twin, "cold twin")):
         if sample is not None and sample.prompt_tokens != turn.prompt_len:
-            turn.problems.append(
+            problems.append(
                 f"{name}: the {what} reports {sample.prompt_tokens} prompt "
                 f"tokens, sent {turn.prompt_len}"
             )
     for sample, what in ((out, "hit"), (rec, "recompute"), (turn.twin, "cold twin")):
         if sample is not None and not all(map(math.isfinite, sample.token_logprobs)):
-            turn.problems.append(
+            problems.append(
                 f"{name}: the {what} sampled tokens with non-finite logprobs "
                 f"{sample.token_logprobs}: the model computed NaN or inf"
             )
     for sample, what in ((rec, "recompute"), (turn.twin, "cold twin")):
         if sample is not None and sample.cached_tokens != 0:
-            turn.problems.append(
+            problems.append(
                 f"{name}: the {what} under a fresh cache_salt reported "
                 f"{sample.cached_tokens} cached tokens, expected 0 (is "
                 f"cache_salt ignored?)"
             )
     why = impossible_hit(out.cached_tokens, prev_seen, prompt_seen, units.hit)
     if why:
-        turn.problems.append(
+        problems.append(
             f"{name}: impossible hit, over-reported: {why} (bound {turn.bound})"
         )
     elif turn.resend:
-        turn.problems += _resend_problems(turn, units, drops_unit)
+        problems += _resend_problems(turn, units, drops_unit)
     elif out.cached_tokens < turn.expected:
         vacuous = " (no hit at all)" if out.cached_tokens == 0 else ""
-        turn.problems.append(
+        problems.append(
             Problem(
                 f"{name}: cached {out.cached_tokens} < expected checkpoint "
                 f"{turn.expected} of the previous {turn.prev_len}-token prompt "
@@ -330,43 +363,45 @@ def check_turn(
             )
         )
     elif out.cached_tokens > turn.expected:
-        turn.notices.append(
+        notices.append(
             f"{name}: cached {out.cached_tokens} is above the expected "
             f"{turn.expected} but within the bound {turn.bound}"
         )
+    found = Found(tuple(problems), tuple(notices))
     # no request on this hit's path: left to paths.check_paths
     if (turn.batched and not turn.invariant) or turn.mid_block:
-        return
+        return found
     if turn.twin is not None:
         reference, other = turn.twin, "cold twin"
     elif not compare_logprobs:
-        return
+        return found
     elif turn.invariant:
         reference, other = rec, "recompute alone (batch-invariant server)"
     else:
         reference, other = rec, "recompute"
-    why = compare(turn, out, reference, ("hit", other), logprob_atol, True)
+    why, seen = compare(name, out, reference, ("hit", other), logprob_atol, True)
+    found += seen
     if not why:
-        return
+        return found
     if turn.invariant:
-        turn.problems.append(_batch_problem(turn, why))
-    elif turn.restored:
-        turn.problems.append(
-            Problem(
-                f"{name}: the hit, {turn.restored} tokens restored from the "
-                f"prefix cache, differs from its {other} on the same path, {why}: "
-                f"the restored state is wrong",
-                "hit-apart",
-                name,
-                restored=turn.restored,
-                control=other,
-            )
+        return found + Found((_batch_problem(turn, why),))
+    if turn.restored:
+        apart = Problem(
+            f"{name}: the hit, {turn.restored} tokens restored from the "
+            f"prefix cache, differs from its {other} on the same path, {why}: "
+            f"the restored state is wrong",
+            "hit-apart",
+            name,
+            restored=turn.restored,
+            control=other,
         )
-    else:
-        turn.problems.append(
+        return found + Found((apart,))
+    return found + Found(
+        (
             f"{name}: restored nothing, yet differs from its {other} on the "
-            f"same path, {why}: the path is not deterministic"
+            f"same path, {why}: the path is not deterministic",
         )
+    )
 
 
 def _batch_problem(turn: Turn, why: str) -> str:

@@ -19,7 +19,12 @@ from tests.models.hybrid_prefix_cache.harness.client import (
     send_checked,
 )
 from tests.models.hybrid_prefix_cache.harness.clock import phase
-from tests.models.hybrid_prefix_cache.harness.compare import Turn, check_turn
+from tests.models.hybrid_prefix_cache.harness.compare import (
+    Found,
+    Turn,
+    check_turn,
+    take_each,
+)
 from tests.models.hybrid_prefix_cache.harness.deployment import (
     Binding,
     Deployment,
@@ -159,7 +164,7 @@ def send_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
         reset_prefix_caches(servers)
         before = read_counters(servers[0])[EXTERNAL_HITS]
     turn.output, found = send_checked(servers, model, prompt, salt)
-    turn.problems += found
+    turn.take(Found(tuple(found)))
     if play.binding.exact_on_blocks:
         # an off-grid resume's rounding carries into the salt's later states
         if turn.output.cached_tokens % (play.binding.exact_grid or play.units.block):
@@ -168,12 +173,13 @@ def send_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
     if play.deployment.offload and turn.output.cached_tokens > 0:
         after = poll_counter(servers[0], EXTERNAL_HITS, lambda v: v > (before or 0))
         if before is None or after is None or after <= before:
-            turn.problems.append(
+            missed = (
                 f"{turn.name}: cached {turn.output.cached_tokens} after the "
                 f"device prefix cache was reset, but {EXTERNAL_HITS} did not "
                 f"grow ({before} -> {after}): the hit did not come from the "
                 f"offload tier"
             )
+            turn.take(Found((missed,)))
     twinned = play.batched and not (play.invariant or play.prefill_step)
     if len(servers) > 1 or twinned:
         twin_salt = fresh_salt("twin")
@@ -181,7 +187,7 @@ def send_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
             turn.twin = send(servers, model, prompt, twin_salt)
         else:
             turn.twin, found = send_checked(servers, model, prompt, twin_salt)
-            turn.problems += found
+            turn.take(Found(tuple(found)))
     turn.seconds += time.monotonic() - start
 
 
@@ -209,14 +215,14 @@ def recompute_turn(play: Play, turn: Turn) -> None:
         extended = [*prompt, turn.recompute.token_ids[0]]
         turn.control = complete(decoder, model, extended, fresh_salt("control"))
     turn.seconds += time.monotonic() - start
-    check_turn(
+    found = check_turn(
         turn,
         play.units,
         play.logprob_atol,
         play.deployment.compares_logprobs,
         play.drafting.drops_unit,
     )
-    check_transfer(turn, play.logprob_atol)
+    turn.take(found + check_transfer(turn, play.logprob_atol))
 
 
 def play_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
@@ -242,12 +248,13 @@ def measure_path_noise(play: Play, turns: Sequence[Turn]) -> None:
 def finish_turns(play: Play, turns: Sequence[Turn]) -> None:
     """Measure the case's path noise, then hold cross-path comparisons to it."""
     if play.prefill_step:
-        check_prefill_steps(turns, play.deployment.compares_logprobs)
-        return
-    measure_path_noise(play, turns)
-    play.noise = check_paths(
-        turns, play.logprob_atol, play.deployment.compares_logprobs
-    )
+        found = check_prefill_steps(turns, play.deployment.compares_logprobs)
+    else:
+        measure_path_noise(play, turns)
+        play.noise, found = check_paths(
+            turns, play.logprob_atol, play.deployment.compares_logprobs
+        )
+    take_each(turns, found)
 
 
 def planned_turn(play: Play, label: str, planned: PlannedTurn) -> Turn:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tests.models.hybrid_prefix_cache.harness.compare import (
+    Found,
     Sample,
     Turn,
     compare,
@@ -102,28 +103,32 @@ def path_noise(turns: Sequence[Turn]) -> PathNoise | None:
 
 def check_paths(
     turns: Sequence[Turn], logprob_atol: float | None, compare_logprobs: bool = True
-) -> PathNoise | None:
-    """Hold a case's cross-path comparisons (batched hit vs twin, mid-block hit,
-    P/D twin vs decoder alone) to :func:`path_noise`, and return it."""
+) -> tuple[PathNoise | None, list[Found]]:
+    """A case's cross-path comparisons (batched hit vs twin, mid-block hit,
+    P/D twin vs decoder alone) held to :func:`path_noise`: that noise, and
+    what each of ``turns`` found, in order."""
     noise = path_noise(turns)
+    found = [Found() for _ in turns]
     if noise is None or not compare_logprobs:
-        return noise
+        return noise, found
     tolerance = noise.held_to(logprob_atol)
-    for turn in turns:
+    for i, turn in enumerate(turns):
         if turn.recompute is None:
             continue  # a resend's cold first request
+        name, problems = turn.name, []
         if turn.batched and turn.output is not None and turn.twin is not None:
             names = ("hit", "batched cold twin")
-            why = compare(turn, turn.output, turn.twin, names, tolerance, False)
+            why, seen = compare(name, turn.output, turn.twin, names, tolerance, False)
+            found[i] += seen
             if why and turn.restored:
-                turn.problems.append(
-                    f"{turn.name}: the batched hit, {turn.restored} tokens "
+                problems.append(
+                    f"{name}: the batched hit, {turn.restored} tokens "
                     f"restored from the prefix cache, differs from its batched "
                     f"cold twin, {why} ({noise}): the restored state is wrong"
                 )
             elif why:
-                turn.problems.append(
-                    f"{turn.name}: restored nothing, yet differs from its batched "
+                problems.append(
+                    f"{name}: restored nothing, yet differs from its batched "
                     f"cold twin, {why} ({noise}): path noise beyond what this "
                     f"case's cold controls showed"
                 )
@@ -131,20 +136,25 @@ def check_paths(
             other = "cold twin" if turn.twin is not None else "recompute"
             reference = turn.twin if turn.twin is not None else turn.recompute
             names = ("hit", f"{other} (mid-block: measured noise)")
-            why = compare(turn, turn.output, reference, names, tolerance, False)
+            why, seen = compare(name, turn.output, reference, names, tolerance, False)
+            found[i] += seen
             if why:
-                turn.problems.append(
-                    f"{turn.name}: the hit, {turn.restored} tokens restored from "
+                problems.append(
+                    f"{name}: the hit, {turn.restored} tokens restored from "
                     f"the prefix cache mid-block, differs from its {other}, {why} "
                     f"({noise}): the restored state is wrong"
                 )
         if turn.twin is not None and not turn.batched and turn.relay is None:
             names = ("cold twin", "decoder alone")
-            why = compare(turn, turn.twin, turn.recompute, names, tolerance, False)
+            why, seen = compare(
+                name, turn.twin, turn.recompute, names, tolerance, False
+            )
+            found[i] += seen
             if why:
-                turn.problems.append(
-                    f"{turn.name}: the decoder's output from the transferred KV "
+                problems.append(
+                    f"{name}: the decoder's output from the transferred KV "
                     f"and state (cold twin) differs from its own recompute, "
                     f"{why} ({noise}): the transferred state is wrong"
                 )
-    return noise
+        found[i] += Found(tuple(problems))
+    return noise, found

@@ -17,7 +17,12 @@ concurrent cases judge those. Pure."""
 
 from collections.abc import Sequence
 
-from tests.models.hybrid_prefix_cache.harness.compare import Sample, Turn, compare
+from tests.models.hybrid_prefix_cache.harness.compare import (
+    Found,
+    Sample,
+    Turn,
+    compare,
+)
 from tests.models.hybrid_prefix_cache.harness.problems import Problem
 
 ALONE = "same prompt alone (prefill step)"
@@ -28,42 +33,54 @@ def prefill_step(sample: Sample) -> Sample:
     return sample.head(1)
 
 
-def check_prefill_steps(turns: Sequence[Turn], compare_logprobs: bool = True) -> None:
-    """Hold each batched hit's prefill step to its alone counterpart's, on the
-    same checkpoint, exactly; a case where no hit could be judged so fails."""
-    batched = [t for t in turns if t.prefill_step and t.batched and t.restored]
+def check_prefill_steps(
+    turns: Sequence[Turn], compare_logprobs: bool = True
+) -> list[Found]:
+    """Each batched hit's prefill step held to its alone counterpart's, on the
+    same checkpoint, exactly (what each of ``turns`` found, in order); a case
+    where no hit could be judged so fails."""
+    found = [Found() for _ in turns]
+    batched = [
+        i for i, t in enumerate(turns) if t.prefill_step and t.batched and t.restored
+    ]
     if not compare_logprobs or not batched:
-        return
+        return found
     judged = 0
-    for turn in batched:
-        alone = turn.alone
+    for i in batched:
+        turn, alone = turns[i], turns[i].alone
         assert turn.output is not None
         if alone is None or alone.cached_tokens != turn.output.cached_tokens:
             hit = None if alone is None else alone.cached_tokens
-            turn.notices.append(
+            notice = (
                 f"{turn.name}: alone, the same prompt hit {hit} tokens, batched "
                 f"{turn.output.cached_tokens}: not held on its prefill step"
             )
+            found[i] += Found(notices=(notice,))
             continue
         judged += 1
         hit = prefill_step(turn.output)
-        why = compare(turn, hit, prefill_step(alone), ("hit", ALONE), 0.0, True)
+        names = ("hit", ALONE)
+        why, seen = compare(turn.name, hit, prefill_step(alone), names, 0.0, True)
+        found[i] += seen
         if why:
-            turn.problems.append(
-                Problem(
-                    f"{turn.name}: the batched hit, {turn.restored} tokens "
-                    f"restored from the prefix cache, differs in its prefill "
-                    f"step from the same prompt alone on the same checkpoint, "
-                    f"{why}: the state restored in a shared batch, or the "
-                    f"prefill from it, is wrong",
-                    "hit-apart",
-                    turn.name,
-                    restored=turn.restored,
-                    control=ALONE,
-                )
+            apart = Problem(
+                f"{turn.name}: the batched hit, {turn.restored} tokens "
+                f"restored from the prefix cache, differs in its prefill "
+                f"step from the same prompt alone on the same checkpoint, "
+                f"{why}: the state restored in a shared batch, or the "
+                f"prefill from it, is wrong",
+                "hit-apart",
+                turn.name,
+                restored=turn.restored,
+                control=ALONE,
             )
+            found[i] += Found((apart,))
     if not judged:
-        batched[-1].problems.append(
-            f"{batched[-1].name}: no batched hit hit what its prompt alone did: "
-            f"the case judged no restore in a batch"
+        last = batched[-1]
+        found[last] += Found(
+            (
+                f"{turns[last].name}: no batched hit hit what its prompt alone "
+                f"did: the case judged no restore in a batch",
+            )
         )
+    return found

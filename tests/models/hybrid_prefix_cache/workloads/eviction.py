@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tests.models.hybrid_prefix_cache.harness.client import MAX_TOKENS, send_checked
-from tests.models.hybrid_prefix_cache.harness.compare import Turn
+from tests.models.hybrid_prefix_cache.harness.compare import Found, Turn
 from tests.models.hybrid_prefix_cache.harness.conversation import (
     finish_turns,
     fresh_salt,
@@ -125,7 +125,7 @@ def play(run: WorkloadRun) -> CaseRecord:
             first.output, found = send_checked(
                 play.servers, binding.model, prompt, salt
             )
-            first.problems += found
+            first.take(Found(tuple(found)))
             grown = grown_prompt(rng, tokens, prompt, first.output.token_ids)
             filler = eviction_filler(play.units)
             for index in range(plan_.pressure):
@@ -136,7 +136,7 @@ def play(run: WorkloadRun) -> CaseRecord:
                 pressure.output, found = send_checked(
                     play.servers, binding.model, other, pressure.salt
                 )
-                pressure.problems += found
+                pressure.take(Found(tuple(found)))
             turn = planned_turn(play, "evicted", PlannedTurn(1, len(grown), first_len))
             turn.expected, turn.bound = plan_.hit, min(plan_.held)
             case.add(turn)
@@ -147,19 +147,19 @@ def play(run: WorkloadRun) -> CaseRecord:
                 turn.name: turn.output.cached_tokens,
             }
             for who, hit in hits.items():
-                turn.problems += [
-                    f"{who}: {why}" for why in eviction_problems(hit, plan_.held)
-                ]
+                problems = eviction_problems(hit, plan_.held)
+                turn.take(Found(tuple(f"{who}: {why}" for why in problems)))
             # Under P/D the decoder's pool is under the same pressure.
             if (
                 plan_.decoder_hit is not None
                 and turn.output.decoder_hit != plan_.decoder_hit
             ):
-                turn.problems.append(
+                missed = (
                     f"{turn.name}: the decoder's own cache hit "
                     f"{turn.output.decoder_hit} for its decode leg, vLLM's scheduler "
                     f"replayed on its engine hit {plan_.decoder_hit}"
                 )
+                turn.take(Found((missed,)))
             finish_turns(play, case.turns)
             decoder = (
                 ""

@@ -9,7 +9,12 @@ import random
 from collections.abc import Sequence
 
 from tests.models.hybrid_prefix_cache.harness.cases import run_case
-from tests.models.hybrid_prefix_cache.harness.compare import Turn, compare
+from tests.models.hybrid_prefix_cache.harness.compare import (
+    Found,
+    Turn,
+    compare,
+    take_each,
+)
 from tests.models.hybrid_prefix_cache.harness.conversation import (
     planned_turn,
     play_turn,
@@ -82,58 +87,72 @@ def budget_problems(
     budget: int,
     logprob_atol: float | None,
     exact: bool = False,
-) -> PathNoise | None:
-    """Hold each turn under ``budget`` to the same turn under the default budget:
-    the same prompt and hit, and outputs exactly where ``exact``
+) -> tuple[PathNoise | None, list[Found]]:
+    """Each turn under ``budget`` held to the same turn under the default
+    budget: the same prompt and hit, and outputs exactly where ``exact``
     (Binding.chunk_invariant; the recomputes too), else within the noise of the
-    two budgets' recomputes. Returns that noise, or None."""
+    two budgets' recomputes. Returns that noise, or None, and what each of
+    ``turns`` found, in order."""
+    found = [Found() for _ in turns]
+    if len(turns) != len(defaults):
+        found[-1] += Found(
+            (
+                f"{len(turns)} turns under a budget of {budget}, {len(defaults)} "
+                f"under the default",
+            )
+        )
     pairs = [
-        (turn, turn.recompute, default.recompute)
-        for turn, default in zip(turns, defaults)
+        (i, turn.recompute, default.recompute)
+        for i, (turn, default) in enumerate(zip(turns, defaults))
         if turn.recompute is not None and default.recompute is not None
     ]
-    if len(turns) != len(defaults):
-        turns[-1].problems.append(
-            f"{len(turns)} turns under a budget of {budget}, {len(defaults)} "
-            f"under the default"
-        )
     if exact:
         noise, tolerance = None, logprob_atol
         names = (f"recompute at budget {budget}", "recompute at the default budget")
-        for turn, small, default in pairs:
-            why = compare(turn, small, default, names, tolerance, True)
+        for i, small, default in pairs:
+            why, seen = compare(turns[i].name, small, default, names, tolerance, True)
+            found[i] += seen
             if why:
-                turn.problems.append(
-                    f"{turn.name}: the cold recompute under a budget of {budget} "
-                    f"differs from the one under the default budget, {why}: "
-                    f"where a prefill's chunks end changes its arithmetic"
+                apart = (
+                    f"{turns[i].name}: the cold recompute under a budget of "
+                    f"{budget} differs from the one under the default budget, "
+                    f"{why}: where a prefill's chunks end changes its arithmetic"
                 )
+                found[i] += Found((apart,))
     else:
         noise = pairs_noise([(small, default) for _, small, default in pairs])
         tolerance = None if noise is None else noise.held_to(logprob_atol)
     names = (f"hit at budget {budget}", "hit at the default budget")
-    for turn, default in zip(turns, defaults):
+    for i, (turn, default) in enumerate(zip(turns, defaults)):
         if turn.prompt != default.prompt:
-            turn.problems.append(
-                f"{turn.name}: its prompt is not the default budget's (an "
-                f"earlier output parted from it)"
+            found[i] += Found(
+                (
+                    f"{turn.name}: its prompt is not the default budget's (an "
+                    f"earlier output parted from it)",
+                )
             )
             continue
         if turn.restored != default.restored:
-            turn.problems.append(
-                f"{turn.name}: cached {turn.restored} under a budget of {budget}, "
-                f"{default.restored} under the default"
+            found[i] += Found(
+                (
+                    f"{turn.name}: cached {turn.restored} under a budget of "
+                    f"{budget}, {default.restored} under the default",
+                )
             )
         if turn.output is None or default.output is None:
             continue
-        why = compare(turn, turn.output, default.output, names, tolerance, exact)
+        why, seen = compare(
+            turn.name, turn.output, default.output, names, tolerance, exact
+        )
+        found[i] += seen
         if why:
             held = "exactly" if exact else f"{noise}, the two budgets' recomputes"
-            turn.problems.append(
+            apart = (
                 f"{turn.name}: the hit, {turn.restored} tokens restored, differs "
                 f"from the same hit under the default budget, {why} ({held})"
             )
-    return noise
+            found[i] += Found((apart,))
+    return noise, found
 
 
 def play(run: WorkloadRun) -> CaseRecord:
@@ -176,13 +195,14 @@ def play(run: WorkloadRun) -> CaseRecord:
         # output is the same.
         conversation = reference_conversation(play.units, default_id)
         run_conversations(play, [conversation], case.turns)
-        noise = budget_problems(
+        noise, found = budget_problems(
             case.turns,
             default.turns,
             budget,
             binding.logprob_atol,
             binding.chunk_invariant,
         )
+        take_each(case.turns, found)
         play.noise = play.noise or noise
         # A branch off the first prompt, under its salt: it resumes at a
         # block boundary whose state only the small budget's chunks wrote.
