@@ -102,15 +102,22 @@ else
         die "pip install into $target.partial failed"
     # PYTHONPATH folders are not site folders, so Python runs no .pth file
     # there (the CuTe DSL's puts its packages on sys.path): this does, as
-    # site.addsitedir would for a site folder. It must be the only one.
+    # site.addsitedir would for a site folder. It hides the machine's own
+    # sitecustomize (Ubuntu's installs apport's hook), so it runs that after.
     if compgen -G "$target.partial/*.pth" >/dev/null; then
-        other=$("$PYTHON" -c 'import sitecustomize as s; print(s.__file__)' 2>/dev/null) &&
-            die "the machine has its own $other, which a sitecustomize here would hide"
         cat >"$target.partial/sitecustomize.py" <<'PY'
 import os
 import site
+import sys
 
-site.addsitedir(os.path.dirname(os.path.abspath(__file__)))
+here = os.path.dirname(os.path.abspath(__file__))
+site.addsitedir(here)
+for folder in sys.path:
+    other = os.path.join(os.path.abspath(folder or "."), "sitecustomize.py")
+    if os.path.dirname(other) != here and os.path.isfile(other):
+        with open(other) as f:
+            exec(compile(f.read(), other, "exec"), {"__name__": "sitecustomize"})
+        break
 PY
     fi
     echo "$stamp" >"$target.partial/.gpu-bundle"

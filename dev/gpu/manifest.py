@@ -137,7 +137,8 @@ def write(out: Path, manifest: dict) -> None:
 
 def calls(out: Path, manifest: dict, repo: Path) -> list[str]:
     """The device calls that bring the parts over, one per part, back to back;
-    the last one also installs."""
+    the last one also carries the test tree (dev/gpu/test_tree.py), installs
+    and starts the tier (its lanes: dev/gpu/README.md, "On the machine")."""
     try:
         rel = out.resolve().relative_to(repo)
     except ValueError:
@@ -148,7 +149,12 @@ def calls(out: Path, manifest: dict, repo: Path) -> list[str]:
         carry = [f"{rel}/{p['name']}", f"{rel}/manifest.json"]
         cmd = f"bash dev/gpu/stash.sh {rel}/{p['name']}"
         if i == len(parts) - 1:
-            cmd += " && bash dev/gpu/install.sh && export PYTHONPATH=/tmp/site && ..."
+            carry.append(f"{rel}/vllm-tests.tar.gz")
+            cmd += (
+                " && bash dev/gpu/install.sh"
+                " && bash dev/gpu/tier_job.sh start tier --deadline 900 --lane ..."
+                " && bash dev/gpu/tier_job.sh wait 360 tier"
+            )
         lines.append(f"carry={json.dumps(carry)} command={cmd!r}")
     return lines
 

@@ -50,7 +50,11 @@ RESULTS=/tmp/gpu-results/$name
 bash "$REPO/dev/gpu/install.sh" --target "$SITE" >&2
 rm -rf "$TREE" "$RESULTS" && mkdir -p "$TREE" "$RESULTS"
 tar -xzf "$tests" -C "$TREE"
-if compgen -G "$TREE/wheels/*.whl" >/dev/null && ! python3 -c "import tblib" 2>/dev/null; then
+# Into $SITE once: runs side by side share it, so a run that finds the wheels
+# there (or on the machine) leaves them alone rather than reinstall them under
+# a neighbour that imports them.
+if compgen -G "$TREE/wheels/*.whl" >/dev/null &&
+    ! PYTHONPATH=$SITE python3 -c "import tblib" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" \
         --upgrade "$TREE"/wheels/*.whl
 fi

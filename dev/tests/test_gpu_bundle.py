@@ -269,6 +269,14 @@ def test_stash_then_install(world, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(site)}
     imported = [sys.executable, "-c", "import dsl_mod"]
     assert subprocess.run(imported, env=env).returncode == 0
+    # It hides the machine's own sitecustomize (Ubuntu's, on the H100), so
+    # it runs that one after.
+    machine = tmp_path / "machine"
+    machine.mkdir()
+    (machine / "sitecustomize.py").write_text("import sys; sys.machine_hook = 1\n")
+    env["PYTHONPATH"] = f"{site}{os.pathsep}{machine}"
+    both = [sys.executable, "-c", "import sys, dsl_mod; assert sys.machine_hook"]
+    assert subprocess.run(both, env=env).returncode == 0
     again = run("install.sh", "--target", site, gather)
     assert again.returncode == 0, again.stderr
     assert "reusing it" in again.stdout
