@@ -175,7 +175,12 @@ class Server(RemoteOpenAIServer):
         self._launched = launched
         env = dict(spec.env)
         if spec.side_channel_port:
-            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(get_open_port())
+            # Below the ephemeral range too: on the GPU tier, 14 servers
+            # starting side by side, a decoder's side channel drawn from it
+            # was taken before NIXL bound it (EADDRINUSE), and 0.34.0's
+            # engine then waits for its dead listener thread for ever
+            # (nixl/base_scheduler.py ready_event.wait(), no timeout).
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(internal_port_base())
         env.setdefault("VLLM_PORT", str(internal_port_base()))
         args = list(spec.args) + ([] if port is None else ["--port", str(port)])
         super().__init__(
