@@ -269,6 +269,9 @@ def test_matrix_builds_cases_known_failures_and_params():
     assert one.known_for("tp2-block") == (bug,)
     with pytest.raises(ValueError, match="name no case"):
         Matrix(deployments, modes, {"tp2-x": (replayed,)}, catalog=WORKLOADS)
+    # A served case's entry on a workload the cell does not serve is dead.
+    with pytest.raises(ValueError, match="name no case"):
+        Matrix(deployments, modes, {"tp2-block-aligned": (bug,)}, catalog=WORKLOADS)
     # A workload with servers of its own comes after its cell's sweep, and
     # is marked with its own servers key and the cost of their start.
     own = Matrix(

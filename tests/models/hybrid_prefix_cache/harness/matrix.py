@@ -153,13 +153,12 @@ class Case:
 @dataclass(frozen=True)
 class Matrix:
     """A binding's matrix: ``deployments`` x ``modes``, its ``known`` failures by
-    case id or cell (each must name a case, or a catalog workload on a cell; a
-    case without its own takes its cell's; the scheduler tier's, found by its
-    replay, judge the replay alone), the ``sweep`` cells (every sweep shape
-    alone and at once: under ``batch_invariant_env``, on servers of their own
-    where ``batch_servers``, and at the cell's servers' threads), and the
-    cells of each of
-    ``workloads``, on the cell's servers or on their own
+    case id or cell (each must name a case; a case without its own takes its
+    cell's; the scheduler tier's, ``Known.replayed``, may name any catalog
+    workload on a cell and judge its replay alone), the ``sweep`` cells (every
+    sweep shape alone and at once: under ``batch_invariant_env``, on servers of
+    their own where ``batch_servers``, and at the cell's servers' threads), and
+    the cells of each of ``workloads``, on the cell's servers or on their own
     (``Workload.own_servers``), with ``workload_turns`` turns and no resend.
     """
 
@@ -182,7 +181,12 @@ class Matrix:
         object.__setattr__(self, "cases", self._build())
         cells = {case.cell for case in self.cases.values()}
         replayed = {f"{cell}-{name}" for cell in cells for name in self.catalog}
-        unknown = sorted(set(self.known) - set(self.cases) - replayed)
+        unknown = sorted(
+            key
+            for key, entries in self.known.items()
+            if key not in self.cases
+            and (key not in replayed or not all(k.replayed for k in entries))
+        )
         if unknown:
             raise ValueError(f"known failures name no case of the matrix: {unknown}")
         stray = sorted(
