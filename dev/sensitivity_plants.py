@@ -61,36 +61,28 @@ _MAMBA = "vllm/v1/worker/mamba_utils.py"
 
 
 def _hits(name: str, condition: str = "") -> dict:
-    """The ``hits`` plant under ``name``, firing only where ``condition`` also
-    holds in ``preprocess_mamba``."""
-    return {
-        _MAMBA: tuple(
-            Edit(e.anchor, e.new.replace("PLANT(hits)", f"PLANT({name})"), e.before)
-            for e in _edits_of_hits(condition)
-        )
-    }
-
-
-def _edits_of_hits(condition: str) -> tuple[Edit, ...]:
-    return (
+    """The ``hits`` plant, marked ``PLANT(name)``, firing only where
+    ``condition`` also holds in ``preprocess_mamba``."""
+    mark = f"PLANT({name})"
+    edits = (
         Edit(
             "    num_reqs = len(input_batch.req_ids)\n",
-            "    _plant_hits: list = []  # PLANT(hits)\n",
+            f"    _plant_hits: list = []  # {mark}\n",
         ),
         Edit(
             "        prev_state_idx = mamba_state_idx.get(req_id)\n",
-            "        # PLANT(hits): first seen with computed tokens: a prefix hit.\n"
+            f"        # {mark}: first seen with computed tokens: a prefix hit.\n"
             "        _plant_hit = prev_state_idx is None and "
             "req_state.num_computed_tokens > 0\n",
         ),
         Edit(
             "        mamba_state_idx[req_id] = curr_state_idx\n",
-            "        if _plant_hit:  # PLANT(hits)\n"
+            f"        if _plant_hit:  # {mark}\n"
             "            _plant_hits.append((req_state, curr_state_idx))\n",
         ),
         Edit(
             "    else:\n        do_mamba_copy_block(copy_bufs)\n",
-            "    # PLANT(hits): the restored state, now in the running block.\n"
+            f"    # {mark}: the restored state, now in the running block.\n"
             "    import os as _os\n\n"
             f'    _plant_factor = float(_os.environ.get("{FACTOR_ENV}") or 1.0)\n'
             f"    if _plant_hits and _plant_factor != 1.0{condition}:\n"
@@ -102,12 +94,13 @@ def _edits_of_hits(condition: str) -> tuple[Edit, ...]:
             "                for _name in _group.layer_names:\n"
             + _SCALE.format(i=" " * 20, layer="forward_context[_name]", block="_block")
             + "        logger.warning(\n"
-            '            "PLANT(hits): x%s on %d hit(s) in a step of %d; '
+            f'            "{mark}: x%s on %d hit(s) in a step of %d; '
             'realized %.3e",\n'
             "            _plant_factor, len(_plant_hits), num_reqs, _plant_err,\n"
             "        )\n",
         ),
     )
+    return {_MAMBA: edits}
 
 
 _HITS = _hits("hits")
