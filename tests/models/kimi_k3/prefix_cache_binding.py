@@ -266,19 +266,20 @@ def exact(deployment: Deployment, mode: Mode) -> tuple[Binding, Deployment]:
 PD_DEPLOYMENTS = ("pd", "pd-tp2-dep2", "pd-offload")
 
 
-def _crashes(cell: str) -> bool:
-    return any(known.holds() for known in KNOWN["sm100"].get(cell, ()))
+def _listed(key: str) -> bool:
+    """Whether a known failure of the cell or case ``key`` holds here."""
+    return any(known.holds() for known in KNOWN["sm100"].get(key, ()))
 
 
 def _aligned_cells() -> tuple[str, ...]:
-    # Not served where vLLM's scheduler already loses it (_REPLAYED).
-    lost = [k for k, entries in _REPLAYED.items() if any(e.holds() for e in entries)]
+    # Not served where the cell crashes, or where vLLM's scheduler already
+    # loses the workload (_REPLAYED).
     return tuple(
         cell
         for deployment in ("offload", "dcp2-offload", *PD_DEPLOYMENTS)
         for mode in MODES
-        if not _crashes(cell := f"{deployment}-{mode}")
-        and f"{cell}-aligned" not in lost
+        if not _listed(cell := f"{deployment}-{mode}")
+        and not _listed(f"{cell}-aligned")
     )
 
 
