@@ -5,8 +5,8 @@
 #                           case's turn table (pytest -v -s)
 #   dev/suite.sh all        ruff (check and format --check, vLLM's settings)
 #                           on our files, then every test of this project:
-#                           dev/tests (provisioning), then the overlaid tests
-#                           and dev/ci_checks; then, on the release
+#                           dev/tests (provisioning), then the overlaid tests,
+#                           dev/ci_checks and dev/diagnose; then, on the release
 #                           dev/requirements-cpu.txt follows, the tests that
 #                           need no compiled code and dev/ci_checks
 #   dev/suite.sh follow VERSION
@@ -23,10 +23,10 @@
 #                           time went (dev/benchmark_cpu_tier.py; not a test)
 #   dev/suite.sh reference RECORD.json
 #                           a case's hit and recompute logprobs against a
-#                           float32 forward (dev/float32_reference.py)
+#                           float32 forward (dev/diagnose/float32_reference.py)
 #   dev/suite.sh reproduce RECORD.json...
 #                           a failing case's reproducer, <case_id>.repro.py
-#                           beside its record (tests/.../reproducer.py)
+#                           beside its record (dev/diagnose/reproducer.py)
 #   dev/suite.sh sensitivity [--factors 0.9,0.99,0.999] [-k ROW]
 #                           the smallest restored-state error each row of
 #                           the CPU tier catches: plants at each size, then
@@ -286,15 +286,16 @@ if [ "$job" = reproduce ]; then
         records+=("$(cd "$CALLER_DIR" && realpath "$record")")
     done
     cd "$CHECKOUT"
-    exec python -m tests.models.hybrid_prefix_cache.reproducer "${records[@]}"
+    exec python "$REPO/dev/diagnose/reproducer.py" "${records[@]}"
 fi
 if [ "$job" = benchmark ] || [ "$job" = reference ]; then
     script=benchmark_cpu_tier.py
-    [ "$job" = benchmark ] || script=float32_reference.py
+    [ "$job" = benchmark ] || script=diagnose/float32_reference.py
     # -P: not dev/ first on sys.path, where dev/tests would shadow tests/;
-    # the checkout is on PYTHONPATH, so it runs from the caller's folder.
+    # the checkout (and dev/diagnose, for the reference's own modules) is on
+    # PYTHONPATH, so it runs from the caller's folder.
     cd "$CALLER_DIR"
-    exec env PYTHONPATH="$CHECKOUT${PYTHONPATH:+:$PYTHONPATH}" \
+    exec env PYTHONPATH="$CHECKOUT:$REPO/dev/diagnose${PYTHONPATH:+:$PYTHONPATH}" \
         python -P "$REPO/dev/$script" "$@"
 fi
 # The followed release's Python, from its own checkout with our files laid
@@ -308,6 +309,19 @@ run_ci_checks() {  # run_ci_checks LOG [pytest args...]
     shift
     python -m pytest -v -s -rA -c pyproject.toml --rootdir "$REPO" -p no:cacheprovider \
         "${KIMI_CI_TESTS[@]}" "$@" 2>&1 | tee "$log" || status=$?
+    [ "$status" -ne 5 ] || status=0
+    return "$status"
+}
+
+# What only diagnoses (the reproducer, the model's state sensitivity, the
+# float32 reference) and its tests live in dev/diagnose, off the in-tree
+# product; its tests run against the pinned release's checkout, as the CI
+# checks do. Exits with pytest's status.
+run_diagnose_tests() {  # run_diagnose_tests LOG [pytest args...]
+    local log=$1 status=0
+    shift
+    python -m pytest -v -s -rA -c pyproject.toml --rootdir "$REPO" -p no:cacheprovider \
+        "$REPO/dev/diagnose" "$@" 2>&1 | tee "$log" || status=$?
     [ "$status" -ne 5 ] || status=0
     return "$status"
 }
@@ -375,9 +389,12 @@ if [ "$job" = all ]; then
         status=$?
     echo "suite: the CI checks against the pinned release's checkout (at ${SECONDS}s)"
     run_ci_checks "${pinned_log%.log}-ci-checks.log" "$@" || status=$?
+    echo "suite: the diagnoses' tests (dev/diagnose) (at ${SECONDS}s)"
+    run_diagnose_tests "${pinned_log%.log}-diagnose.log" "$@" || status=$?
     run_followed "$followed_log" "$@" || status=$?
     echo "suite: done (at ${SECONDS}s; provisioning took the seconds before the first)"
-    for log in "$pinned_log" "${pinned_log%.log}-ci-checks.log" "$followed_log" \
+    for log in "$pinned_log" "${pinned_log%.log}-ci-checks.log" \
+        "${pinned_log%.log}-diagnose.log" "$followed_log" \
         "${followed_log%.log}-ci-checks.log"; do
         say_result "$log"
     done

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from tests.models.hybrid_prefix_cache.sensitivity import (
+from sensitivity import (
     CONTINUATION_TOLERANCE,
     SENSITIVITY_FLOOR,
     SERVED_SHAPES,
@@ -23,6 +22,8 @@ from tests.models.hybrid_prefix_cache.sensitivity import (
     single_thread,
     state_sensitivity,
 )
+
+from tests.models.hybrid_prefix_cache.seeded_load import hybrid_seeded_load as hsl
 from tests.models.hybrid_prefix_cache.tiny_hybrid import TinyHybrid, write_tiny_hybrid
 
 # What vLLM's ``--load-format dummy`` puts in every floating-point weight.
@@ -145,3 +146,17 @@ def test_recurrent_state_moves_what_a_served_request_generates(tiny, shape):
         f"scaling the restored state by 0.9 moved the generated tokens' "
         f"logprobs of a served {shape} by only {sensitivity:.3g}"
     )
+
+
+def test_seeded_weights_make_the_state_matter(tiny: TinyHybrid, tmp_path):
+    """A 10% error in the recurrent state moves the seeded model's logprobs
+    far above the floor that vLLM's dummy weights stay under."""
+    with single_thread():
+        model = load_model(tiny.path)
+        assert hsl.seeded_init(model) > 0
+        model.save_pretrained(tmp_path, safe_serialization=True)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (tmp_path / name).write_bytes((tiny.path / name).read_bytes())
+        moved = state_sensitivity(tmp_path, tiny.first_word_id, sampled=True)
+    print(f"seeded weights: a 10% state error moves the sampled logprobs {moved:.3g}")
+    assert moved > 100 * SENSITIVITY_FLOOR

@@ -3,8 +3,7 @@
 """``<case_id>.repro.py`` beside a FAIL record: a script needing only
 ``requests`` and running servers, which replays the failing turns' salts
 under fresh ones and prints the suite's verdict. Built from the record alone,
-by ``python -m tests.models.hybrid_prefix_cache.reproducer RECORD.json...``
-(``dev/suite.sh reproduce``), so the suite never loads it while it tests."""
+by ``dev/suite.sh reproduce RECORD.json...``, so the suite never loads it."""
 
 import argparse
 import json
@@ -16,7 +15,7 @@ import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 
-from tests.models.hybrid_prefix_cache.reproducer_script import TEMPLATE
+from reproducer_script import TEMPLATE
 
 # tiny_hybrid.MARKER and MODULE (test_reproducer.py holds them equal)
 TINY_MODEL_MARKER = "hybrid-prefix-cache-tiny-model.txt"

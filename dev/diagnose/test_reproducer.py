@@ -14,8 +14,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
 import pytest
+import reproducer
 
-from tests.models.hybrid_prefix_cache import harness, reproducer, tiny_hybrid
+from tests.models.hybrid_prefix_cache import harness, tiny_hybrid
 
 UNIT = 16
 PREFILL_PARAMS = {"do_remote_decode": True, "remote_host": None}

@@ -17,10 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests.models.hybrid_prefix_cache.sensitivity import (
-    load_model,
-    reference_logprobs,
-)
+from sensitivity import load_model, reference_logprobs
+
 from tests.models.hybrid_prefix_cache.tiny_hybrid import write_tiny_hybrid
 
 

@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     the served shapes), over seeds 0-2, against the largest noise floor of
     the run's records."""
     parser = argparse.ArgumentParser(
-        prog="python -m tests.models.hybrid_prefix_cache.sensitivity",
+        prog="dev/diagnose/sensitivity.py",
         description=main.__doc__,
     )
     parser.add_argument("model", type=Path, help="a model tiny_hybrid wrote")
