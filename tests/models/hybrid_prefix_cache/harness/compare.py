@@ -10,10 +10,7 @@ from dataclasses import FrozenInstanceError, dataclass, field, replace
 
 from tests.models.hybrid_prefix_cache.harness.deployment import Units
 from tests.models.hybrid_prefix_cache.harness.problems import Problem
-from tests.models.hybrid_prefix_cache.harness.rules import (
-    impossible_hit,
-    seen_lengths,
-)
+from tests.models.hybrid_prefix_cache.harness.rules import impossible_hit, seen_lengths
 from tests.models.utils import check_logprobs_close
 
 NUM_LOGPROBS = 5
@@ -21,8 +18,6 @@ NUM_LOGPROBS = 5
 
 @dataclass(frozen=True)
 class Sample:
-    """One completion: its greedy tokens, logprobs and prompt usage."""
-
     token_ids: list[int]
     text: str
     token_logprobs: list[float]
@@ -33,15 +28,11 @@ class Sample:
     # under P/D, the decoder's own prefix_cache_hits delta, where read
     decoder_hit: int | None = None
 
-    def as_tokens_text_logprobs(self) -> tuple:
-        return (self.token_ids, self.text, self.top_logprobs)
-
     def shifted(self, tokens: int) -> "Sample":
         """This sample without its first ``tokens`` generated tokens."""
         return self._sliced(slice(tokens, None))
 
     def head(self, tokens: int) -> "Sample":
-        """This sample's first ``tokens`` generated tokens."""
         return self._sliced(slice(None, tokens))
 
     def _sliced(self, part: slice) -> "Sample":
@@ -67,7 +58,6 @@ class Comparison:
 
     @property
     def judged(self) -> str:
-        """How it was judged, for the record."""
         if self.tolerance is None:
             return "check_logprobs_close"
         if not self.same_path:
@@ -140,7 +130,6 @@ class Turn:
         super().__setattr__(name, value)
 
     def take(self, found: Found) -> None:
-        """Record what a check of this turn found (the checks return it)."""
         self.problems += found.problems
         self.notices += found.notices
         self.comparisons += found.comparisons
@@ -160,21 +149,18 @@ class Turn:
 
     @property
     def restored(self) -> int:
-        """Tokens restored from the prefix cache."""
         return 0 if self.output is None else self.output.cached_tokens
 
     @property
     def max_logprob_diff(self) -> float | None:
         """The hit's logprob gap to its recompute, where the tokens agree."""
-        if self.output is None or self.recompute is None:
+        out, rec = self.output, self.recompute
+        if out is None or rec is None or out.token_ids != rec.token_ids:
             return None
-        if self.output.token_ids != self.recompute.token_ids:
-            return None
-        return logprob_gap(self.output, self.recompute)[0]
+        return logprob_gap(out, rec)[0]
 
 
 def take_each(turns: Sequence[Turn], found: Sequence[Found]) -> None:
-    """Each of ``turns`` takes what a check of them all found for it."""
     for turn, seen in zip(turns, found, strict=True):
         turn.take(seen)
 
@@ -184,25 +170,17 @@ def _top(sample: Sample, index: int) -> str:
     return ", ".join(f"{token}:{logprob:.4f}" for token, logprob in ranked)
 
 
-def _parting(a: Sample, b: Sample) -> int:
-    """The first index where the tokens differ, else the common length."""
-    for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)):
-        if x != y:
-            return i
-    return min(len(a.token_ids), len(b.token_ids))
-
-
 def first_divergence(
     hit: Sample, recompute: Sample, names: tuple[str, str] = ("hit", "recompute")
 ) -> str:
     """Where two samples' tokens part, with both top-k there; "" if never."""
     a_name, b_name = names
-    i = _parting(hit, recompute)
-    if i < min(len(hit.token_ids), len(recompute.token_ids)):
-        a, b = hit.token_ids[i], recompute.token_ids[i]
+    i = logprob_gap(hit, recompute)[1]
+    if i is not None:
         return (
-            f"first diverging token at index {i}: the {a_name} chose {a} "
-            f"(top-{NUM_LOGPROBS}: {_top(hit, i)}), the {b_name} chose {b} "
+            f"first diverging token at index {i}: the {a_name} chose "
+            f"{hit.token_ids[i]} (top-{NUM_LOGPROBS}: {_top(hit, i)}), the "
+            f"{b_name} chose {recompute.token_ids[i]} "
             f"(top-{NUM_LOGPROBS}: {_top(recompute, i)})"
         )
     if len(hit.token_ids) != len(recompute.token_ids):
@@ -214,18 +192,17 @@ def first_divergence(
 
 
 def logprob_gap(a: Sample, b: Sample) -> tuple[float, int | None]:
-    """(largest sampled-logprob gap before the tokens part, where they part or
-    None)."""
-    part = _parting(a, b)
-    gaps = [abs(x - y) for x, y in zip(a.token_logprobs[:part], b.token_logprobs)]
-    parted = part < min(len(a.token_ids), len(b.token_ids))
-    return max(gaps, default=0.0), part if parted else None
+    """(largest sampled-logprob gap before the tokens part, where they part)"""
+    pairs = enumerate(zip(a.token_ids, b.token_ids))
+    part = next((i for i, (x, y) in pairs if x != y), None)
+    end = min(len(a.token_ids), len(b.token_ids)) if part is None else part
+    gaps = [abs(x - y) for x, y in zip(a.token_logprobs[:end], b.token_logprobs)]
+    return max(gaps, default=0.0), part
 
 
 def near_tie(a: Sample, b: Sample, index: int, tolerance: float) -> bool:
-    """Whether noise within ``tolerance`` explains a parting at ``index``: each
-    chosen token moves by at most that (an unranked one by at least the gap to
-    the other side's lowest ranked logprob)."""
+    """Whether each chosen token at ``index`` moves by at most ``tolerance`` (an
+    unranked one by at least the gap to the other side's lowest ranked logprob)."""
     top_a, top_b = a.top_logprobs[index], b.top_logprobs[index]
     for token, mine, other in (
         (a.token_ids[index], top_a, top_b),
@@ -249,10 +226,8 @@ def compare(
     tolerance: float | None,
     same_path: bool,
 ) -> tuple[str, Found]:
-    """``a`` against ``b`` on the turn ``name``: why it fails ("" if it does
-    not), and the comparison and notices found. Across paths a divergence may
-    be a :func:`near_tie` (check_logprobs_close's fixed top-k would fail noise
-    that wide); None: check_logprobs_close."""
+    """Why ``a`` fails against ``b`` ("" if not), and what it found; across paths a
+    parting may be a :func:`near_tie`, too wide for check_logprobs_close's top-k."""
     gap, part = logprob_gap(a, b)
     divergence = first_divergence(a, b, names)
     what = f"{names[0]} vs {names[1]}"
@@ -260,16 +235,15 @@ def compare(
     if tolerance is None:
         try:
             check_logprobs_close(
-                outputs_0_lst=[b.as_tokens_text_logprobs()],
-                outputs_1_lst=[a.as_tokens_text_logprobs()],
+                outputs_0_lst=[(b.token_ids, b.text, b.top_logprobs)],
+                outputs_1_lst=[(a.token_ids, a.text, a.top_logprobs)],
                 name_0=f"{name} {names[1]}",
                 name_1=f"{name} {names[0]}",
             )
         except AssertionError as e:
             return f"beyond check_logprobs_close: {e}", seen
         if divergence:
-            notice = f"{name}: {divergence} (check_logprobs_close)"
-            seen += Found(notices=(notice,))
+            seen += Found(notices=(f"{name}: {divergence} (check_logprobs_close)",))
         return "", seen
     if divergence:
         if same_path:
@@ -285,27 +259,6 @@ def compare(
     return "", seen
 
 
-def _resend_problems(turn: Turn, units: Units, drops_unit: bool) -> list[str]:
-    """A resend hits exactly the checkpoint, as upstream's Kimi-K3 test has."""
-    cached = turn.restored
-    if cached == turn.expected:
-        return []
-    _, seen = seen_lengths(turn.prev_len, turn.prompt_len, turn.backoff)
-    return [
-        Problem(
-            f"{turn.name}: cached {cached} != {turn.expected}, the checkpoint of "
-            f"the resent {seen}-token prompt by vLLM's rule (v1/kv_cache_interface"
-            f".py get_mamba_prefill_checkpoint_position, hit unit {units.hit}, "
-            f"drafter drops a unit: {drops_unit})",
-            "resend-missed",
-            turn.name,
-            cached=cached,
-            expected=turn.expected,
-            seen=seen,
-        )
-    ]
-
-
 def check_turn(
     turn: Turn,
     units: Units,
@@ -313,59 +266,70 @@ def check_turn(
     compare_logprobs: bool = True,
     drops_unit: bool = False,
 ) -> Found:
-    """The turn's problems and notices: its hit against the rule, its salts,
-    and its output against the request on its path. Cross-path comparisons
-    wait for the path noise (paths.check_paths)."""
-    out, rec = turn.output, turn.recompute
+    """The turn's hit against the rule, its salts, and its output against the
+    request on its path; cross-path ones wait for the noise (paths.check_paths)."""
+    out, rec, name = turn.output, turn.recompute, turn.name
     assert out is not None and rec is not None
-    name = turn.name
+    cached = out.cached_tokens
+    sent = ((out, "hit"), (rec, "recompute"), (turn.twin, "cold twin"))
     problems: list[str] = []
     notices: list[str] = []
-    prev_seen, prompt_seen = seen_lengths(turn.prev_len, turn.prompt_len, turn.backoff)
-    for sample, what in ((out, "hit"), (rec, "recompute"), (turn.twin, "cold twin")):
+    for sample, what in sent:
         if sample is not None and sample.prompt_tokens != turn.prompt_len:
             problems.append(
                 f"{name}: the {what} reports {sample.prompt_tokens} prompt "
                 f"tokens, sent {turn.prompt_len}"
             )
-    for sample, what in ((out, "hit"), (rec, "recompute"), (turn.twin, "cold twin")):
+    for sample, what in sent:
         if sample is not None and not all(map(math.isfinite, sample.token_logprobs)):
             problems.append(
                 f"{name}: the {what} sampled tokens with non-finite logprobs "
                 f"{sample.token_logprobs}: the model computed NaN or inf"
             )
-    for sample, what in ((rec, "recompute"), (turn.twin, "cold twin")):
+    for sample, what in sent[1:]:
         if sample is not None and sample.cached_tokens != 0:
             problems.append(
                 f"{name}: the {what} under a fresh cache_salt reported "
                 f"{sample.cached_tokens} cached tokens, expected 0 (is "
                 f"cache_salt ignored?)"
             )
-    why = impossible_hit(out.cached_tokens, prev_seen, prompt_seen, units.hit)
-    if why:
+    prev_seen, prompt_seen = seen_lengths(turn.prev_len, turn.prompt_len, turn.backoff)
+    if why := impossible_hit(cached, prev_seen, prompt_seen, units.hit):
         problems.append(
             f"{name}: impossible hit, over-reported: {why} (bound {turn.bound})"
         )
     elif turn.resend:
-        problems += _resend_problems(turn, units, drops_unit)
-    elif out.cached_tokens < turn.expected:
-        vacuous = " (no hit at all)" if out.cached_tokens == 0 else ""
-        problems.append(
-            Problem(
-                f"{name}: cached {out.cached_tokens} < expected checkpoint "
-                f"{turn.expected} of the previous {turn.prev_len}-token prompt "
-                f"(hit unit {units.hit}): a checkpoint was lost{vacuous}",
-                "lost-checkpoint",
+        # a resend hits exactly the checkpoint, as upstream's Kimi-K3 test has
+        if cached != turn.expected:
+            missed = Problem(
+                f"{name}: cached {cached} != {turn.expected}, the checkpoint of the "
+                f"resent {prompt_seen}-token prompt by vLLM's rule (v1/"
+                f"kv_cache_interface.py get_mamba_prefill_checkpoint_position, hit "
+                f"unit {units.hit}, drafter drops a unit: {drops_unit})",
+                "resend-missed",
                 name,
-                cached=out.cached_tokens,
+                cached=cached,
                 expected=turn.expected,
-                previous=turn.prev_len,
+                seen=prompt_seen,
             )
+            problems.append(missed)
+    elif cached < turn.expected:
+        vacuous = " (no hit at all)" if cached == 0 else ""
+        lost = Problem(
+            f"{name}: cached {cached} < expected checkpoint {turn.expected} of the "
+            f"previous {turn.prev_len}-token prompt (hit unit {units.hit}): a "
+            f"checkpoint was lost{vacuous}",
+            "lost-checkpoint",
+            name,
+            cached=cached,
+            expected=turn.expected,
+            previous=turn.prev_len,
         )
-    elif out.cached_tokens > turn.expected:
+        problems.append(lost)
+    elif cached > turn.expected:
         notices.append(
-            f"{name}: cached {out.cached_tokens} is above the expected "
-            f"{turn.expected} but within the bound {turn.bound}"
+            f"{name}: cached {cached} is above the expected {turn.expected} but "
+            f"within the bound {turn.bound}"
         )
     found = Found(tuple(problems), tuple(notices))
     # no request on this hit's path: left to paths.check_paths
@@ -383,39 +347,33 @@ def check_turn(
     found += seen
     if not why:
         return found
-    if turn.invariant:
-        return found + Found((_batch_problem(turn, why),))
-    if turn.restored:
-        apart = Problem(
-            f"{name}: the hit, {turn.restored} tokens restored from the "
-            f"prefix cache, differs from its {other} on the same path, {why}: "
-            f"the restored state is wrong",
+    if turn.invariant and cached:
+        problem = (
+            f"{name}: the batched hit, {cached} tokens restored from the prefix "
+            f"cache, differs from its recompute alone on a server that computes "
+            f"each request as alone, {why}: the state restored in a shared batch "
+            f"is wrong"
+        )
+    elif turn.invariant:
+        problem = (
+            f"{name}: restored nothing, yet the batched request differs from its "
+            f"recompute alone on a server that computes each request as alone, "
+            f"{why}: the state it carried between prefill steps in a shared batch "
+            f"is wrong, or its arithmetic depends on its batch"
+        )
+    elif cached:
+        problem = Problem(
+            f"{name}: the hit, {cached} tokens restored from the prefix cache, "
+            f"differs from its {other} on the same path, {why}: the restored "
+            f"state is wrong",
             "hit-apart",
             name,
-            restored=turn.restored,
+            restored=cached,
             control=other,
         )
-        return found + Found((apart,))
-    return found + Found(
-        (
-            f"{name}: restored nothing, yet differs from its {other} on the "
-            f"same path, {why}: the path is not deterministic",
+    else:
+        problem = (
+            f"{name}: restored nothing, yet differs from its {other} on the same "
+            f"path, {why}: the path is not deterministic"
         )
-    )
-
-
-def _batch_problem(turn: Turn, why: str) -> str:
-    """Why a batch-invariant hit fails against its recompute alone."""
-    if turn.restored:
-        return (
-            f"{turn.name}: the batched hit, {turn.restored} tokens restored "
-            f"from the prefix cache, differs from its recompute alone on a "
-            f"server that computes each request as alone, {why}: the state "
-            f"restored in a shared batch is wrong"
-        )
-    return (
-        f"{turn.name}: restored nothing, yet the batched request differs from "
-        f"its recompute alone on a server that computes each request as "
-        f"alone, {why}: the state it carried between prefill steps in a "
-        f"shared batch is wrong, or its arithmetic depends on its batch"
-    )
+    return found + Found((problem,))

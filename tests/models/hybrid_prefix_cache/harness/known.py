@@ -41,9 +41,8 @@ def judge_failure(
     shown: str | None = None,
     problems: Sequence[str] = (),
 ) -> Judgment:
-    """A listed case failed with ``text`` and found ``problems``; a stale
-    table's message says ``shown`` (the problems, and the logs by path), else
-    ``text``."""
+    """A listed case failed with ``text`` and found ``problems``; a stale table's
+    message says ``shown`` (the problems, and the logs by path), else ``text``."""
     if not entry.shown(text, problems):
         return Judgment(
             STALE,
@@ -51,11 +50,9 @@ def judge_failure(
             f"failed, but without {entry.expects}: update the table.\n"
             + (text if shown is None else shown),
         )
-    if entry.kind == "unsupported":
-        seen = f"{entry.reason} (confirmed: {entry.expects})"
-    else:
-        seen = f"{entry.reason} (seen: {entry.expects})"
-    return Judgment(KNOWN_VERDICTS[entry.kind], seen)
+    how = "confirmed" if entry.kind == "unsupported" else "seen"
+    message = f"{entry.reason} ({how}: {entry.expects})"
+    return Judgment(KNOWN_VERDICTS[entry.kind], message)
 
 
 def judge_pass(case_id: str, entry: Known) -> Judgment:
@@ -77,15 +74,11 @@ def evidence_shown(entry: Known | None, problems: list[str]) -> bool:
 def judge_confirmed_elsewhere(
     entries: tuple[Known, ...], verdicts: Mapping[str, str]
 ) -> None:
-    """A shared failure is confirmed once (Known.confirmed_by): the other cases
-    take that case's outcome without running, where its verdict in this
-    session (``verdicts``, by case id) is this failure. Where it did not run,
-    or passed (its entry needs another geometry), each case runs itself."""
+    """A shared failure is confirmed once (Known.confirmed_by): the others take
+    its outcome in this session (``verdicts``, by case id) without running; where
+    it did not run, or passed (its entry needs another geometry), each runs."""
     for entry in entries:
-        confirmer = entry.confirmed_by
-        if (
-            confirmer is not None
-            and verdicts.get(confirmer) == KNOWN_VERDICTS[entry.kind]
-        ):
+        confirmer, verdict = entry.confirmed_by, KNOWN_VERDICTS[entry.kind]
+        if confirmer is not None and verdicts.get(confirmer) == verdict:
             outcome = pytest.xfail if entry.kind == "xfail" else pytest.skip
             outcome(f"{entry.reason} (as in {confirmer}, which confirmed it)")

@@ -34,7 +34,6 @@ class PathNoise:
         return self.margin * self.floor
 
     def held_to(self, logprob_atol: float | None) -> float | None:
-        """The larger of ``logprob_atol`` and the tolerance (None stays None)."""
         return None if logprob_atol is None else max(logprob_atol, self.tolerance)
 
     def __str__(self) -> str:
@@ -46,22 +45,15 @@ class PathNoise:
 
 
 def cold_pairs(turn: Turn) -> list[tuple[Sample, Sample]]:
-    """Pairs that restored nothing and differ only in numerical path: batched,
-    twin (and a cold hit) against the recompute; under P/D, the recompute
-    shifted against each control."""
+    """Pairs that restored nothing and differ only in numerical path: batched twin
+    and cold hit vs recompute; under P/D, shifted recompute vs each control."""
     rec = turn.recompute
-    if rec is None:
+    if rec is None or (turn.batched and turn.invariant):
         return []
     if turn.batched:
-        if turn.invariant:
-            return []
-        pairs = [] if turn.twin is None else [(turn.twin, rec)]
-        if turn.output is not None and turn.restored == 0:
-            pairs.append((turn.output, rec))
-        return pairs
-    if turn.control is None:
-        return []
-    controls = [turn.control, *turn.more_controls]
+        cold = (turn.twin, turn.output if turn.restored == 0 else None)
+        return [(sample, rec) for sample in cold if sample is not None]
+    controls = [] if turn.control is None else [turn.control, *turn.more_controls]
     return [(rec.shifted(shift), c) for shift, c in enumerate(controls, start=1)]
 
 
@@ -90,71 +82,70 @@ def control_shifts(turns: Sequence[Turn]) -> list[tuple[Turn, int]]:
 
 
 def pairs_noise(pairs: Sequence[tuple[Sample, Sample]]) -> PathNoise | None:
-    """The largest gap of ``pairs``; None without pairs."""
     if not pairs:
         return None
     return PathNoise(max(logprob_gap(a, b)[0] for a, b in pairs), len(pairs))
 
 
 def path_noise(turns: Sequence[Turn]) -> PathNoise | None:
-    """The path noise of ``turns``' cold controls; None without any."""
     return pairs_noise([pair for turn in turns for pair in cold_pairs(turn)])
 
 
 def check_paths(
     turns: Sequence[Turn], logprob_atol: float | None, compare_logprobs: bool = True
 ) -> tuple[PathNoise | None, list[Found]]:
-    """A case's cross-path comparisons (batched hit vs twin, mid-block hit,
-    P/D twin vs decoder alone) held to :func:`path_noise`: that noise, and
-    what each of ``turns`` found, in order."""
+    """The case's :func:`path_noise`, and what each of ``turns`` found held to it:
+    batched hit vs twin, mid-block hit, P/D twin vs decoder alone."""
     noise = path_noise(turns)
-    found = [Found() for _ in turns]
     if noise is None or not compare_logprobs:
-        return noise, found
+        return noise, [Found() for _ in turns]
     tolerance = noise.held_to(logprob_atol)
-    for i, turn in enumerate(turns):
-        if turn.recompute is None:
-            continue  # a resend's cold first request
-        name, problems = turn.name, []
-        if turn.batched and turn.output is not None and turn.twin is not None:
-            names = ("hit", "batched cold twin")
-            why, seen = compare(name, turn.output, turn.twin, names, tolerance, False)
-            found[i] += seen
-            if why and turn.restored:
-                problems.append(
-                    f"{name}: the batched hit, {turn.restored} tokens "
-                    f"restored from the prefix cache, differs from its batched "
-                    f"cold twin, {why} ({noise}): the restored state is wrong"
-                )
-            elif why:
-                problems.append(
-                    f"{name}: restored nothing, yet differs from its batched "
-                    f"cold twin, {why} ({noise}): path noise beyond what this "
-                    f"case's cold controls showed"
-                )
-        elif turn.mid_block and turn.output is not None:
-            other = "cold twin" if turn.twin is not None else "recompute"
-            reference = turn.twin if turn.twin is not None else turn.recompute
-            names = ("hit", f"{other} (mid-block: measured noise)")
-            why, seen = compare(name, turn.output, reference, names, tolerance, False)
-            found[i] += seen
-            if why:
-                problems.append(
-                    f"{name}: the hit, {turn.restored} tokens restored from "
-                    f"the prefix cache mid-block, differs from its {other}, {why} "
-                    f"({noise}): the restored state is wrong"
-                )
-        if turn.twin is not None and not turn.batched and turn.relay is None:
-            names = ("cold twin", "decoder alone")
-            why, seen = compare(
-                name, turn.twin, turn.recompute, names, tolerance, False
+    return noise, [_across_paths(turn, noise, tolerance) for turn in turns]
+
+
+def _across_paths(turn: Turn, noise: PathNoise, tolerance: float | None) -> Found:
+    name, out, twin, rec = turn.name, turn.output, turn.twin, turn.recompute
+    found = Found()
+    if rec is None:
+        return found  # a resend's cold first request
+    if turn.batched and out is not None and twin is not None:
+        names = ("hit", "batched cold twin")
+        why, found = compare(name, out, twin, names, tolerance, False)
+        if why and turn.restored:
+            problem = (
+                f"{name}: the batched hit, {turn.restored} tokens restored from "
+                f"the prefix cache, differs from its batched cold twin, {why} "
+                f"({noise}): the restored state is wrong"
             )
-            found[i] += seen
-            if why:
-                problems.append(
-                    f"{name}: the decoder's output from the transferred KV "
-                    f"and state (cold twin) differs from its own recompute, "
-                    f"{why} ({noise}): the transferred state is wrong"
-                )
-        found[i] += Found(tuple(problems))
-    return noise, found
+            found += Found((problem,))
+        elif why:
+            problem = (
+                f"{name}: restored nothing, yet differs from its batched cold "
+                f"twin, {why} ({noise}): path noise beyond what this case's cold "
+                f"controls showed"
+            )
+            found += Found((problem,))
+    elif turn.mid_block and out is not None:
+        reference = twin if twin is not None else rec
+        other = "cold twin" if twin is not None else "recompute"
+        names = ("hit", f"{other} (mid-block: measured noise)")
+        why, found = compare(name, out, reference, names, tolerance, False)
+        if why:
+            problem = (
+                f"{name}: the hit, {turn.restored} tokens restored from the "
+                f"prefix cache mid-block, differs from its {other}, {why} "
+                f"({noise}): the restored state is wrong"
+            )
+            found += Found((problem,))
+    if twin is not None and not turn.batched and turn.relay is None:
+        names = ("cold twin", "decoder alone")
+        why, seen = compare(name, twin, rec, names, tolerance, False)
+        found += seen
+        if why:
+            problem = (
+                f"{name}: the decoder's output from the transferred KV and state "
+                f"(cold twin) differs from its own recompute, {why} ({noise}): "
+                f"the transferred state is wrong"
+            )
+            found += Found((problem,))
+    return found

@@ -1,9 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""What a check found, as a value: a :class:`Problem` is the sentence people
-read, and carries its kind, the turn it is about and its numbers, which a
-known failure's :class:`Finding` matches; rewording the sentence changes no
-verdict."""
+"""What a check found, as a value: a :class:`Problem` is the sentence people read,
+and carries its kind, turn and numbers, which a known failure's :class:`Finding`
+matches; rewording the sentence changes no verdict."""
 
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,9 +21,8 @@ KINDS = {
 
 
 class Problem(str):
-    """A check's finding: the text is the sentence (so a problem reads, joins
-    and is written as one); ``kind``, ``where`` and ``numbers`` are what a
-    :class:`Finding` matches. A problem of no kind is matched by no finding."""
+    """A str, so a problem reads, joins and is written as its sentence; a problem
+    of no kind is matched by no :class:`Finding`."""
 
     kind: str
     where: str

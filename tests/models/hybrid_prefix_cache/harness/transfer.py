@@ -16,34 +16,31 @@ def relay_prompt(turn: Turn) -> list[int]:
 def check_transfer(turn: Turn, logprob_atol: float | None) -> Found:
     """The relay held to the recompute one token on, and the recompute to the
     prefiller alone."""
-    rec = turn.recompute
+    rec, name, found = turn.recompute, turn.name, Found()
     assert rec is not None
-    found = Found()
     if turn.prefiller_alone is not None:
         names = ("decoder alone", "prefiller alone")
-        why, seen = compare(
-            turn.name, rec, turn.prefiller_alone, names, logprob_atol, True
-        )
+        why, seen = compare(name, rec, turn.prefiller_alone, names, logprob_atol, True)
         found += seen
         if why:
             problem = (
-                f"{turn.name}: the decoder alone differs from the prefiller "
-                f"serving the same request whole, one configuration, {why}: "
-                f"the decoder computes wrongly"
+                f"{name}: the decoder alone differs from the prefiller serving the "
+                f"same request whole, one configuration, {why}: the decoder "
+                f"computes wrongly"
             )
             found += Found((problem,))
     if turn.relay is not None:
         later = rec.shifted(turn.backoff)
         relay = turn.relay.head(len(later.token_ids))
         names = ("transfer relay", "decoder alone one token on")
-        why, seen = compare(turn.name, relay, later, names, logprob_atol, True)
+        why, seen = compare(name, relay, later, names, logprob_atol, True)
         found += seen
         if why:
             problem = (
-                f"{turn.name}: the decoder, decoding the recompute's first "
-                f"token from the prefiller's transferred KV and state, differs "
-                f"from the decoder alone, which computed the same prompt in "
-                f"the same chunks, {why}: the transferred state is wrong"
+                f"{name}: the decoder, decoding the recompute's first token from "
+                f"the prefiller's transferred KV and state, differs from the "
+                f"decoder alone, which computed the same prompt in the same "
+                f"chunks, {why}: the transferred state is wrong"
             )
             found += Found((problem,))
     return found
