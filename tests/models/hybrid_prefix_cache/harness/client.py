@@ -3,6 +3,7 @@
 """Requests to servers: completions through a deployment (:func:`send`),
 prefix-cache resets and ``/metrics`` reads."""
 
+import contextlib
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -14,15 +15,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.models.hybrid_prefix_cache.harness.clock import phase
 from tests.models.hybrid_prefix_cache.harness.compare import NUM_LOGPROBS, Sample
 from tests.models.hybrid_prefix_cache.harness.reconcile import (
-    EXTERNAL_HITS,
-    EXTERNAL_QUERIES,
-    FIRST_TOKENS,
-    NIXL_BYTES,
+    COUNTERS,
     NIXL_TRANSFERS,
     PREFIX_HITS,
     PREFIX_QUERIES,
-    REQUESTS_DONE,
-    SPEC_DRAFTS,
     decoder_problems,
     decoder_pulls,
     ledger_entry,
@@ -40,12 +36,10 @@ CONTROL_TIMEOUT = REQUEST_TIMEOUT
 # blocks are still held (e.g. by in-flight offload transfers); retry.
 RESET_ATTEMPTS = 120
 RESET_INTERVAL = 0.5
-# Counters are exported after the engine step that moved them; poll for
-# this long before calling a mismatch.
+# Counters are exported after the engine step that moved them; poll before failing.
 METRICS_SETTLE_SECONDS = 15.0
 METRICS_POLL_INTERVAL = 0.25
-# The prefill leg of a P/D request asks the prefiller to keep the KV for a
-# remote decoder.
+# A P/D prefill leg asks the prefiller to keep the KV for a remote decoder.
 PREFILL_KV_TRANSFER_PARAMS = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
@@ -90,28 +84,15 @@ def read_metrics(server: Server) -> dict[str, list]:
 
 
 def read_counters(server: Server) -> dict[str, float | None]:
-    """The reconciled counters of one server, summed over engines; None for
-    a counter the server does not export."""
+    """The reconciled counters summed over engines; None where not exported."""
     samples = read_metrics(server)
-    names = (
-        PREFIX_QUERIES,
-        PREFIX_HITS,
-        EXTERNAL_QUERIES,
-        EXTERNAL_HITS,
-        NIXL_TRANSFERS,
-        NIXL_BYTES,
-        SPEC_DRAFTS,
-        REQUESTS_DONE,
-        FIRST_TOKENS,
-    )
     return {
         name: sum(s.value for s in samples[name]) if name in samples else None
-        for name in names
+        for name in COUNTERS
     }
 
 
 def max_model_len(server: Server) -> int:
-    """The longest sequence ``server`` serves (its /v1/models entry)."""
     response = requests.get(server.url_for("v1/models"), timeout=CONTROL_TIMEOUT)
     response.raise_for_status()
     return int(response.json()["data"][0]["max_model_len"])
@@ -132,12 +113,9 @@ def _token_id(token: str) -> int:
 
 
 def _request_failure(server: Server, what: str) -> ServerError:
-    try:  # a server that just died may take a moment to be reaped
-        code = server.proc.wait(timeout=2)
-    except subprocess.TimeoutExpired:
-        code = None
-    if code is not None:
-        what += f"; the server exited with code {code}"
+    # a server that just died may take a moment to be reaped
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        what += f"; the server exited with code {server.proc.wait(timeout=2)}"
     return server.error(what)
 
 
@@ -150,9 +128,8 @@ def _completion(
     ignore_eos: bool = False,
     priority: int = 0,
 ) -> dict:
-    """The body of a greedy completion of ``prompt`` (token ids) under
-    ``salt``; ``ignore_eos``: it generates ``max_tokens`` tokens whatever it
-    samples; ``priority`` for a server of ``--scheduling-policy priority``."""
+    """``ignore_eos``: it generates ``max_tokens`` tokens whatever it samples;
+    ``priority`` for a server of ``--scheduling-policy priority``."""
     body = {
         "model": model,
         "prompt": list(prompt),
@@ -171,26 +148,6 @@ def _completion(
     return body
 
 
-def _post(
-    server: Server, body: dict, give_up_after: float | None = None
-) -> requests.Response | None:
-    """Post a completion to ``server``; None where the client gave up after
-    ``give_up_after`` seconds without an answer (else a failure)."""
-    url = server.url_for("v1/completions")
-    timeout = (
-        REQUEST_TIMEOUT if give_up_after is None else (CONTROL_TIMEOUT, give_up_after)
-    )
-    try:
-        with phase("requests"):
-            return requests.post(url, json=body, timeout=timeout)
-    except requests.RequestException as e:
-        if give_up_after is not None and isinstance(e, requests.ReadTimeout):
-            return None
-        raise _request_failure(
-            server, f"did not answer a completion ({type(e).__name__}: {e})"
-        ) from None
-
-
 def complete(
     server: Server,
     model: str,
@@ -206,9 +163,9 @@ def complete(
     body = _completion(
         model, prompt, salt, max_tokens, kv_transfer_params, ignore_eos, priority
     )
-    response = _post(server, body)
-    assert response is not None
-    return _answered(server, response, kv_transfer_params)
+    sample = _post(server, body)
+    assert sample is not None
+    return sample
 
 
 def give_up(
@@ -221,24 +178,33 @@ def give_up(
     max_tokens: int = MAX_TOKENS,
     kv_transfer_params: dict | None = None,
 ) -> Sample | None:
-    """Send a greedy completion of ``prompt`` under ``salt`` (a P/D
-    prefill leg with ``kv_transfer_params``) and give up on it after
-    ``after`` seconds without an answer, closing the connection: vLLM's API
-    server then aborts the request, on the client's disconnect
-    (entrypoints/serve/utils/api_utils.py with_cancellation). None where the
-    client gave up; the answer where the server answered first."""
+    """A greedy completion (a P/D prefill leg with ``kv_transfer_params``) given up
+    after ``after`` seconds without an answer by closing the connection, on which
+    vLLM's API server aborts the request (entrypoints/serve/utils/api_utils.py
+    with_cancellation). None where the client gave up, else the answer."""
     body = _completion(model, prompt, salt, max_tokens, kv_transfer_params)
-    response = _post(server, body, give_up_after=after)
-    if response is None:
-        return None
-    return _answered(server, response, kv_transfer_params)
+    return _post(server, body, give_up_after=after)
 
 
-def _answered(
-    server: Server, response: requests.Response, kv_transfer_params: dict | None
-) -> Sample:
-    """The sample of a completion that ``server`` answered, booked on the
-    server (Server.book_answer) for the counter window of its case."""
+def _post(
+    server: Server, body: dict, give_up_after: float | None = None
+) -> Sample | None:
+    """The completion's sample, booked on ``server`` (Server.book_answer) for
+    its case's counter window; None where the client gave up after
+    ``give_up_after`` seconds without an answer (else a failure)."""
+    url = server.url_for("v1/completions")
+    timeout = (
+        REQUEST_TIMEOUT if give_up_after is None else (CONTROL_TIMEOUT, give_up_after)
+    )
+    try:
+        with phase("requests"):
+            response = requests.post(url, json=body, timeout=timeout)
+    except requests.RequestException as e:
+        if give_up_after is not None and isinstance(e, requests.ReadTimeout):
+            return None
+        raise _request_failure(
+            server, f"did not answer a completion ({type(e).__name__}: {e})"
+        ) from None
     if response.status_code != 200:
         raise _request_failure(
             server,
@@ -247,15 +213,13 @@ def _answered(
         )
     data = response.json()
     choice, usage = data["choices"][0], data["usage"]
-    details = usage.get("prompt_tokens_details") or {}
-    if details.get("cached_tokens") is None:
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if cached is None:
         raise AssertionError(
             "the server reports no usage.prompt_tokens_details.cached_tokens; "
             "serve with --enable-prompt-tokens-details"
         )
-    entry = ledger_entry(
-        usage["prompt_tokens"], details["cached_tokens"], kv_transfer_params
-    )
+    entry = ledger_entry(usage["prompt_tokens"], cached, body.get("kv_transfer_params"))
     server.book_answer(entry)
     logprobs = choice["logprobs"]
     return Sample(
@@ -267,7 +231,7 @@ def _answered(
             for top in logprobs["top_logprobs"]
         ],
         prompt_tokens=usage["prompt_tokens"],
-        cached_tokens=details["cached_tokens"],
+        cached_tokens=cached,
         kv_transfer_params=data.get("kv_transfer_params"),
     )
 
@@ -275,9 +239,8 @@ def _answered(
 def poll_counters(
     server: Server, name: str, done: Callable[[float], bool]
 ) -> dict[str, float | None]:
-    """Read the counters until ``done`` holds for counter ``name`` or the
-    settle time ends; the last counters read (``name`` None if the server
-    does not export it)."""
+    """The counters once ``done`` holds for counter ``name`` (None: not exported)
+    or the settle time ended."""
     deadline = time.monotonic() + METRICS_SETTLE_SECONDS
     with phase("metrics"):
         while True:
@@ -291,38 +254,28 @@ def poll_counters(
 def poll_counter(
     server: Server, name: str, done: Callable[[float], bool]
 ) -> float | None:
-    """:func:`poll_counters`' last value of counter ``name``."""
     return poll_counters(server, name, done)[name]
 
 
 def send(
     servers: Sequence[Server], model: str, prompt: Sequence[int], salt: str
 ) -> Sample:
-    """One turn's request through the deployment.
-
-    With a prefiller (``servers`` = prefiller, decoder), the prefiller
-    computes the prompt and keeps its KV for the decoder; the decoder then
-    pulls it over the KV connector and generates. The hit is the
-    prefiller's: that is where the prefix cache is consulted.
-    """
-    return _send(servers, model, prompt, salt, check_decoder=False)[0]
+    """One turn's request through the deployment. Under P/D (``servers`` =
+    prefiller, decoder) the prefiller computes the prompt and keeps its KV, which
+    the decoder pulls over the KV connector; the hit is the prefiller's."""
+    return _send(servers, model, prompt, salt, check=False)[0]
 
 
 def send_checked(
     servers: Sequence[Server], model: str, prompt: Sequence[int], salt: str
 ) -> tuple[Sample, list[str]]:
-    """:func:`send`, one request at a time, and its problems: under P/D the
-    decoder must count a NIXL transfer for the request and report the
-    prefiller's hit as its cached prefix."""
-    return _send(servers, model, prompt, salt, check_decoder=True)
+    """:func:`send`, one request at a time, and its problems: under P/D the decoder
+    must count a NIXL transfer and report the prefiller's hit as its cached prefix."""
+    return _send(servers, model, prompt, salt, check=True)
 
 
 def _send(
-    servers: Sequence[Server],
-    model: str,
-    prompt: Sequence[int],
-    salt: str,
-    check_decoder: bool,
+    servers: Sequence[Server], model: str, prompt: Sequence[int], salt: str, check: bool
 ) -> tuple[Sample, list[str]]:
     if len(servers) == 1:
         return complete(servers[0], model, prompt, salt), []
@@ -339,38 +292,31 @@ def _send(
         raise AssertionError(
             f"the prefiller {prefiller.url_root} returned no kv_transfer_params"
         )
-    before = read_counters(decoder) if check_decoder else {}
+    before = read_counters(decoder) if check else {}
     decode = complete(
-        decoder,
-        model,
-        prompt,
-        salt,
-        kv_transfer_params=prefill.kv_transfer_params,
+        decoder, model, prompt, salt, kv_transfer_params=prefill.kv_transfer_params
     )
-    decoder_hit, problems = None, []
-    if check_decoder:
-        problems, decoder_hit = _decoder_leg(decoder, before, len(prompt), prefill)
-        reported = decoder_reported_cached(len(prompt), prefill.cached_tokens)
-        if decode.cached_tokens != reported:
-            problems.append(
-                f"the decoder reports {decode.cached_tokens} cached tokens, "
-                f"the prefiller hit {prefill.cached_tokens}, and vLLM's rule "
-                f"(rules.decoder_reported_cached) gives {reported}"
-            )
-    sample = replace(
-        decode, cached_tokens=prefill.cached_tokens, decoder_hit=decoder_hit
-    )
-    return sample, problems
+    sample = replace(decode, cached_tokens=prefill.cached_tokens)
+    if not check:
+        return sample, []
+    problems, decoder_hit = _decoder_leg(decoder, before, len(prompt), prefill)
+    reported = decoder_reported_cached(len(prompt), prefill.cached_tokens)
+    if decode.cached_tokens != reported:
+        problems.append(
+            f"the decoder reports {decode.cached_tokens} cached tokens, "
+            f"the prefiller hit {prefill.cached_tokens}, and vLLM's rule "
+            f"(rules.decoder_reported_cached) gives {reported}"
+        )
+    return replace(sample, decoder_hit=decoder_hit), problems
 
 
 def _decoder_leg(
     decoder: Server, before: dict[str, float | None], prompt_len: int, prefill: Sample
 ) -> tuple[list[str], int | None]:
-    """The decoder's own hit for the decode leg just answered, and how its
-    counters break the rule of its role (:func:`decoder_problems`). Its own
-    hit is counted when the request is admitted; a transfer, once its KV
-    arrived: both before the response, but exported after the engine step,
-    so they are polled for."""
+    """The decoder's own hit on the decode leg just answered, and how its counters
+    break the rule of its role (:func:`decoder_problems`). The hit (at admission)
+    and a transfer (once its KV arrived) precede the response but are exported
+    after the engine step, so they are polled for."""
     if before.get(NIXL_TRANSFERS) is None or before.get(PREFIX_HITS) is None:
         return [f"the decoder exports no {NIXL_TRANSFERS} or {PREFIX_HITS}"], None
     if decoder.spec.prefix_caching:
@@ -380,7 +326,6 @@ def _decoder_leg(
         now = read_counters(decoder)
     local_hit = (now[PREFIX_HITS] or 0.0) - before[PREFIX_HITS]
     if decoder_pulls(prompt_len, local_hit):
-        # A transfer is due: wait for it to be exported.
         transfers = before[NIXL_TRANSFERS]
         now[NIXL_TRANSFERS] = poll_counter(
             decoder, NIXL_TRANSFERS, lambda v: v > transfers

@@ -4,14 +4,10 @@
 have moved by, given its completions' usage and routes. Pure."""
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 from tests.models.hybrid_prefix_cache.harness.compare import Turn
-from tests.models.hybrid_prefix_cache.harness.deployment import (
-    Deployment,
-    Mode,
-    Units,
-)
+from tests.models.hybrid_prefix_cache.harness.deployment import Deployment, Mode, Units
 from tests.models.hybrid_prefix_cache.harness.rules import (
     PD_PREFILL_BACKOFF,
     expected_resend,
@@ -29,6 +25,17 @@ SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
 REQUESTS_DONE = "vllm:request_success_total"
 # One per first token sampled (v1/metrics/stats.py update_from_output).
 FIRST_TOKENS = "vllm:time_to_first_token_seconds_count"
+COUNTERS = (
+    PREFIX_QUERIES,
+    PREFIX_HITS,
+    EXTERNAL_QUERIES,
+    EXTERNAL_HITS,
+    NIXL_TRANSFERS,
+    NIXL_BYTES,
+    SPEC_DRAFTS,
+    REQUESTS_DONE,
+    FIRST_TOKENS,
+)
 
 
 @dataclass(frozen=True)
@@ -44,9 +51,7 @@ class Ledger:
     connector_queries: int = 0
 
     def __add__(self, other: "Ledger") -> "Ledger":
-        return Ledger(
-            *(a + b for a, b in zip(vars(self).values(), vars(other).values()))
-        )
+        return Ledger(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
 
 def ledger_entry(
@@ -88,11 +93,9 @@ def decoder_resend_hit(
     or with offload (vLLM #42547 is a decoder that hashed nothing)."""
     if not deployment.decode.prefix_caching or deployment.offload:
         return 0
-    loaded = prompt_len - PD_PREFILL_BACKOFF
     rule = mode.drafting(deployment.decode)
     resend = expected_resend(prompt_len, units.hit, rule.drops_unit, rule.lookahead)
-    deepest = min(loaded, resend)
-    return deepest // units.block * units.block
+    return min(prompt_len - PD_PREFILL_BACKOFF, resend) // units.block * units.block
 
 
 def decoder_problems(
@@ -109,13 +112,10 @@ def decoder_problems(
         )
     expected = 1 if decoder_pulls(prompt_len, local_hit) else 0
     if transfers != expected:
-        why = (
-            f"its own cache hit {local_hit:g} of the {pulled} tokens it loads"
-            f" (the prefiller hit {prefiller_hit})"
-        )
         problems.append(
             f"the decoder's {NIXL_TRANSFERS} moved by {transfers:g}, expected "
-            f"{expected}: {why}"
+            f"{expected}: its own cache hit {local_hit:g} of the {pulled} tokens "
+            f"it loads (the prefiller hit {prefiller_hit})"
         )
     return problems
 
@@ -130,59 +130,43 @@ def counter_problems(
     """How a server's deltas ``moved`` disagree with its ``ledger``: queries
     (none without prefix caching: record_prefix_cache_stats skips them), local
     plus external hits against held, external queries against seen less hits."""
-
-    def value(key: str) -> float:
-        return moved.get(key) or 0.0
-
+    value = {key: moved.get(key) or 0.0 for key in COUNTERS}
     problems = []
     queries = ledger.queries if prefix_caching else 0
-    if value(PREFIX_QUERIES) != queries:
+    if value[PREFIX_QUERIES] != queries:
         problems.append(
-            f"{name} server: {PREFIX_QUERIES} moved by {value(PREFIX_QUERIES):g}, "
+            f"{name} server: {PREFIX_QUERIES} moved by {value[PREFIX_QUERIES]:g}, "
             f"but its engine saw {queries} prompt tokens in {ledger.requests} "
             f"completions (usage: {ledger.prompt_tokens})"
         )
-    hits = value(PREFIX_HITS) + value(EXTERNAL_HITS)
+    hits = value[PREFIX_HITS] + value[EXTERNAL_HITS]
     if hits != ledger.held:
         problems.append(
-            f"{name} server: {PREFIX_HITS} ({value(PREFIX_HITS):g}) plus "
-            f"{EXTERNAL_HITS} ({value(EXTERNAL_HITS):g}) moved by {hits:g}, but "
+            f"{name} server: {PREFIX_HITS} ({value[PREFIX_HITS]:g}) plus "
+            f"{EXTERNAL_HITS} ({value[EXTERNAL_HITS]:g}) moved by {hits:g}, but "
             f"its {ledger.requests} completions held {ledger.held} tokens (usage "
             f"reported {ledger.cached_tokens} cached): usage and the server's "
             f"own counters disagree"
         )
-    external = ledger.connector_queries - value(PREFIX_HITS)
-    if connector and value(EXTERNAL_QUERIES) != external:
+    external = ledger.connector_queries - value[PREFIX_HITS]
+    if connector and value[EXTERNAL_QUERIES] != external:
         problems.append(
             f"{name} server: {EXTERNAL_QUERIES} moved by "
-            f"{value(EXTERNAL_QUERIES):g}, expected {external:g}: the tokens "
+            f"{value[EXTERNAL_QUERIES]:g}, expected {external:g}: the tokens "
             f"its engine saw less its local hits"
         )
     return problems
 
 
-def _delta(after: float | None, before: float | None) -> float | None:
-    return None if after is None or before is None else after - before
-
-
-def expected_requests(num_servers: int, turns: Sequence["Turn"]) -> list[int]:
-    """Completions each server must finish: turns, twins, relays and alone
-    counterparts through the deployment; recomputes and controls on the
-    decoder alone."""
-    through = sum(
-        1
-        + (turn.twin is not None)
-        + (turn.relay is not None)
-        + (turn.alone is not None)
-        for turn in turns
-    )
-    alone = sum(
-        (turn.recompute is not None)
-        + (turn.control is not None)
-        + len(turn.more_controls)
-        for turn in turns
-    )
-    prefiller = sum(turn.prefiller_alone is not None for turn in turns)
+def expected_requests(num_servers: int, turns: Sequence[Turn]) -> list[int]:
+    """Completions each server must finish: turns, twins, relays and alone counterparts
+    through the deployment; recomputes and controls on the decoder alone."""
+    through = alone = prefiller = 0
+    for turn in turns:
+        through += 1 + sum(s is not None for s in (turn.twin, turn.relay, turn.alone))
+        alone += sum(s is not None for s in (turn.recompute, turn.control))
+        alone += len(turn.more_controls)
+        prefiller += turn.prefiller_alone is not None
     if num_servers == 1:
         return [through + alone]
     return [through + prefiller, through + alone]
@@ -192,23 +176,23 @@ def counter_deltas(
     now: Mapping[str, float | None], before: Mapping[str, float | None]
 ) -> dict[str, float | None]:
     """Each counter's move (None where not exported)."""
-    return {key: _delta(now[key], before[key]) for key in now}
+    return {
+        key: None if now[key] is None or before[key] is None else now[key] - before[key]
+        for key in now
+    }
 
 
 def server_problems(
     name: str,
     moved: Mapping[str, float | None],
     ledger: Ledger,
-    *,
     prefix_caching: bool,
     connector: bool,
     route: int | None,
 ) -> list[str]:
     """:func:`counter_problems` plus the completions count against ``route``
     (None: a server not started here, held to request_success instead)."""
-    found = counter_problems(
-        name, moved, ledger, prefix_caching=prefix_caching, connector=connector
-    )
+    found = counter_problems(name, moved, ledger, prefix_caching, connector)
     done = moved[REQUESTS_DONE] or 0.0
     if route is not None and ledger.requests != route:
         found.append(
@@ -222,25 +206,3 @@ def server_problems(
             f"answered {ledger.requests} completions"
         )
     return found
-
-
-def server_deltas(ledger: Ledger, moved: Mapping[str, float | None]) -> dict:
-    """One server's ledger beside its counters' deltas."""
-    return {
-        "requests": ledger.requests,
-        "usage_prompt_tokens": ledger.prompt_tokens,
-        "usage_cached_tokens": ledger.cached_tokens,
-        "engine_queries": ledger.queries,
-        "engine_held": ledger.held,
-        **moved,
-    }
-
-
-def drafter_problems(mode: Mode, drafts: float) -> list[str]:
-    """A speculative mode that drafted nothing would pass vacuously."""
-    if mode.spec is not None and drafts <= 0:
-        return [
-            f"speculative mode, but {SPEC_DRAFTS} did not grow: the drafter "
-            f"never ran, so the case would pass vacuously"
-        ]
-    return []
