@@ -34,10 +34,7 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (
 )
 from tests.models.hybrid_prefix_cache.harness.known import evidence_shown
 from tests.models.hybrid_prefix_cache.harness.records import CaseRecord
-from tests.models.hybrid_prefix_cache.harness.rules import (
-    NUM_TURNS,
-    PlannedTurn,
-)
+from tests.models.hybrid_prefix_cache.harness.rules import NUM_TURNS, PlannedTurn
 from tests.models.hybrid_prefix_cache.harness.servers import ServerPool
 from tests.models.hybrid_prefix_cache.harness.session import case_session
 
@@ -59,29 +56,6 @@ class Suite:
         self.pool.close()
 
 
-def _conversations(
-    case_id: str, play: Play, shapes: Sequence[str], num_turns: int, resend: bool
-) -> list[Conversation]:
-    """The reference conversation, or one per sweep shape that exists where
-    the case's servers resolve (skip if none does), of ``num_turns``
-    growing turns each and (``resend``) a resend."""
-    if not shapes:
-        reference = reference_conversation(play.units, case_id)
-        return [replace(reference, num_turns=num_turns, resend=resend)]
-    lengths = {shape: shape_length(shape, play.units) for shape in shapes}
-    conversations = [
-        Conversation(shape, length, f"{case_id}-{shape}", num_turns, resend)
-        for shape, length in lengths.items()
-        if length is not None
-    ]
-    if not conversations:
-        pytest.skip(
-            f"shapes {list(shapes)} need a hit unit below the block; this "
-            f"server has hit unit {play.units.hit}, block {play.units.block}"
-        )
-    return conversations
-
-
 def run_case(
     suite: Suite,
     case_id: str,
@@ -96,14 +70,10 @@ def run_case(
     num_turns: int = NUM_TURNS,
     resend: bool = True,
 ) -> CaseRecord:
-    """Serve ``deployment`` in ``mode`` on ``suite``'s servers and check its
-    conversations: the reference one or one per sweep shape, one after another or
-    at once, under ``batch_invariant_env`` (``concurrent``) or at the servers'
-    own threads, held on the hits' prefill steps (``restores``), each of
-    ``num_turns`` turns and (``resend``) a resend. Returns the record for the
-    test to assert on; a case in ``known`` xfails, skips or fails here
-    (harness/session.py).
-    """
+    """Check the reference conversation, or one per sweep shape the servers have,
+    at once under ``batch_invariant_env`` (``concurrent``) or at the servers' own
+    threads held on the hits' prefill steps (``restores``). A case in ``known``
+    xfails, skips or fails here (harness/session.py)."""
     __tracebackhide__ = True
     if concurrent and binding.batch_invariant_env is not None:
         deployment = with_serve_env(deployment, binding.batch_invariant_env)
@@ -112,7 +82,20 @@ def run_case(
         case_session(case_id, suite.records, known) as case,
         case.serve(binding, deployment, mode, suite.pool, batched, restores) as play,
     ):
-        conversations = _conversations(case_id, play, shapes, num_turns, resend)
+        units = play.units
+        conversations = [
+            Conversation(shape, length, f"{case_id}-{shape}", num_turns, resend)
+            for shape in dict.fromkeys(shapes)
+            if (length := shape_length(shape, units)) is not None
+        ]
+        if not shapes:
+            reference = reference_conversation(units, case_id)
+            conversations = [replace(reference, num_turns=num_turns, resend=resend)]
+        elif not conversations:
+            pytest.skip(
+                f"shapes {list(shapes)} need a hit unit below the block; this "
+                f"server has hit unit {units.hit}, block {units.block}"
+            )
         for _ in play_waves(play, conversations, case.turns):
             # A known bug's evidence confirms the case: later turns change
             # nothing (an XPASS still plays them all).
@@ -138,9 +121,9 @@ def run_resend(
     resend_problems: Callable[[Turn, Play], list[str]] | None = None,
     known: Sequence[Known] = (),
 ) -> CaseRecord:
-    """Send one prompt cold, resend it, and recompute it under a fresh salt. The
-    resend hits at least the prompt's own checkpoint (:func:`expected_resend`)
-    and, where given, passes ``resend_problems``; ``prompt_len`` may be a
+    """Send one prompt cold, resend it, and recompute it under a fresh salt: the
+    resend hits at least the prompt's own checkpoint (:func:`expected_resend`).
+    ``prompt_len`` may be a
     function of the servers' units, and ``failure`` names a property."""
     __tracebackhide__ = True
     with (

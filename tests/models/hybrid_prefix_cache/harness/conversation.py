@@ -57,8 +57,6 @@ from tests.models.hybrid_prefix_cache.harness.transfer import (
 
 @dataclass(frozen=True)
 class Conversation:
-    """A growing conversation: label, first prompt length, random seed."""
-
     label: str
     first_len: int
     seed: str
@@ -67,7 +65,6 @@ class Conversation:
 
 
 def reference_conversation(units: Units, seed: str) -> Conversation:
-    """The reference shape: three blocks and an unaligned tail."""
     return Conversation("", FIRST_PROMPT_BLOCKS * units.block + FIRST_PROMPT_TAIL, seed)
 
 
@@ -93,8 +90,7 @@ def shape_length(shape: str, units: Units) -> int | None:
 
 
 def random_tokens(rng: random.Random, token_ids: tuple[int, int], n: int) -> list[int]:
-    low, high = token_ids
-    return [rng.randrange(low, high) for _ in range(n)]
+    return [rng.randrange(*token_ids) for _ in range(n)]
 
 
 def grown_prompt(
@@ -111,10 +107,9 @@ def grown_prompt(
 
 @dataclass
 class Play:
-    """What a case needs to play turns: where, what, and how to check.
-    ``batched`` turns are held to their recompute alone where the server is
-    batch-invariant, else to batched twins within ``noise``; with
-    ``prefill_step`` (the servers' own threads), the first turn goes alone and
+    """What a case needs to play turns. ``batched`` turns are held to their recompute
+    alone where the server is batch-invariant, else to batched twins within ``noise``;
+    with ``prefill_step`` (the servers' own threads), the first turn goes alone and
     later hits are held on their prefill step (harness/restores.py)."""
 
     servers: Sequence[Server]
@@ -153,8 +148,8 @@ def fresh_salt(what: str) -> str:
 
 
 def send_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
-    """Send ``prompt`` under ``salt``, then a cold twin the way the hit went
-    (P/D, or a batch), unless the recompute is already its same-path control."""
+    """Send ``prompt`` under ``salt``, then a cold twin the way the hit went (P/D,
+    or a batch), unless the recompute is already its same-path control."""
     turn.prompt, turn.salt = list(prompt), salt
     turn.batched, turn.invariant = play.batched, play.invariant
     turn.prefill_step = play.prefill_step
@@ -174,14 +169,12 @@ def send_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
         after = poll_counter(servers[0], EXTERNAL_HITS, lambda v: v > (before or 0))
         if before is None or after is None or after <= before:
             missed = (
-                f"{turn.name}: cached {turn.output.cached_tokens} after the "
-                f"device prefix cache was reset, but {EXTERNAL_HITS} did not "
-                f"grow ({before} -> {after}): the hit did not come from the "
-                f"offload tier"
+                f"{turn.name}: cached {turn.output.cached_tokens} after the device "
+                f"prefix cache was reset, but {EXTERNAL_HITS} did not grow ({before} "
+                f"-> {after}): the hit did not come from the offload tier"
             )
             turn.take(Found((missed,)))
-    twinned = play.batched and not (play.invariant or play.prefill_step)
-    if len(servers) > 1 or twinned:
+    if len(servers) > 1 or (play.batched and not (play.invariant or play.prefill_step)):
         twin_salt = fresh_salt("twin")
         if play.batched:  # sent at once: no transfer is the twin's alone
             turn.twin = send(servers, model, prompt, twin_salt)
@@ -198,14 +191,11 @@ def recompute_turn(play: Play, turn: Turn) -> None:
     start = time.monotonic()
     decoder, model, prompt = play.servers[-1], play.binding.model, turn.prompt
     turn.recompute = complete(decoder, model, prompt, fresh_salt("recompute"))
-    relays = (
-        play.binding.exact_across_instances
-        and play.deployment.same_instances
-        and play.deployment.compares_logprobs
-    )
+    deployment = play.deployment
+    same = play.binding.exact_across_instances and deployment.same_instances
+    relays = same and deployment.compares_logprobs
     if relays:
-        relay = relay_prompt(turn)
-        turn.relay = send(play.servers, model, relay, fresh_salt("relay"))
+        turn.relay = send(play.servers, model, relay_prompt(turn), fresh_salt("relay"))
         turn.prefiller_alone = complete(
             play.servers[0], model, prompt, fresh_salt("prefiller")
         )
@@ -215,52 +205,38 @@ def recompute_turn(play: Play, turn: Turn) -> None:
         extended = [*prompt, turn.recompute.token_ids[0]]
         turn.control = complete(decoder, model, extended, fresh_salt("control"))
     turn.seconds += time.monotonic() - start
-    found = check_turn(
-        turn,
-        play.units,
-        play.logprob_atol,
-        play.deployment.compares_logprobs,
-        play.drafting.drops_unit,
-    )
-    turn.take(found + check_transfer(turn, play.logprob_atol))
+    atol, drops_unit = play.logprob_atol, play.drafting.drops_unit
+    found = check_turn(turn, play.units, atol, deployment.compares_logprobs, drops_unit)
+    turn.take(found + check_transfer(turn, atol))
 
 
 def play_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
-    """One turn played alone: sent, recomputed and checked."""
     send_turn(play, turn, prompt, salt)
     recompute_turn(play, turn)
 
 
-def measure_path_noise(play: Play, turns: Sequence[Turn]) -> None:
-    """Send the further cold controls the path noise needs
-    (paths.control_shifts), each on the decoder alone."""
+def finish_turns(play: Play, turns: Sequence[Turn]) -> None:
+    """Measure the case's path noise with the further cold controls it needs, on
+    the decoder alone, then hold cross-path comparisons to it."""
+    compares = play.deployment.compares_logprobs
+    if play.prefill_step:
+        take_each(turns, check_prefill_steps(turns, compares))
+        return
     decoder, model = play.servers[-1], play.binding.model
     for turn, shift in control_shifts(turns):
         assert turn.recompute is not None
         start = time.monotonic()
         extended = [*turn.prompt, *turn.recompute.token_ids[:shift]]
-        turn.more_controls.append(
-            complete(decoder, model, extended, fresh_salt("control"))
-        )
+        control = complete(decoder, model, extended, fresh_salt("control"))
+        turn.more_controls.append(control)
         turn.seconds += time.monotonic() - start
-
-
-def finish_turns(play: Play, turns: Sequence[Turn]) -> None:
-    """Measure the case's path noise, then hold cross-path comparisons to it."""
-    if play.prefill_step:
-        found = check_prefill_steps(turns, play.deployment.compares_logprobs)
-    else:
-        measure_path_noise(play, turns)
-        play.noise, found = check_paths(
-            turns, play.logprob_atol, play.deployment.compares_logprobs
-        )
+    play.noise, found = check_paths(turns, play.logprob_atol, compares)
     take_each(turns, found)
 
 
 def planned_turn(play: Play, label: str, planned: PlannedTurn) -> Turn:
     """The :class:`Turn` of ``planned`` with its expected hit and bound."""
-    backoff = play.deployment.cache_backoff
-    rule = play.drafting
+    backoff, rule = play.deployment.cache_backoff, play.drafting
     expected, bound = expectation(
         planned, play.units.hit, rule.drops_unit, backoff, rule.lookahead
     )
@@ -279,26 +255,25 @@ def planned_turn(play: Play, label: str, planned: PlannedTurn) -> Turn:
 def play_waves(
     play: Play, conversations: Sequence[Conversation], turns: list[Turn]
 ) -> Iterator[int]:
-    """Play ``conversations``, each under its own salt, turn by turn into
-    ``turns``, yielding after each wave (its index): the caller may stop
-    there. Batched, each wave is in flight at once, recomputes after. Where
-    only prefill steps are held (``Play.prefill_step``), the first wave goes
-    one by one (a batched cold prefill may part from itself alone:
-    findings/batch-noise-cpu.md), and every prompt goes alone too, under its
-    conversation's alone salt, after its wave."""
-    states = []
-    for conv in conversations:
-        rng = random.Random(conv.seed)
-        prompt = random_tokens(rng, play.binding.token_ids, conv.first_len)
-        salt = fresh_salt("conversation")
-        plan = plan_turns(conv.first_len, conv.num_turns, conv.resend)
-        states.append((conv, rng, salt, prompt, plan))
+    """Play ``conversations``, each under its own salt, turn by turn into ``turns``,
+    yielding each wave's index after it: the caller may stop there. Batched, a wave
+    is in flight at once, recomputes after. With ``Play.prefill_step`` the first
+    wave goes one by one (a batched cold prefill may part from itself alone:
+    findings/batch-noise-cpu.md), and each prompt goes alone too after its wave."""
+    token_ids = play.binding.token_ids
+    rngs = [random.Random(conv.seed) for conv in conversations]
+    prompts = [
+        random_tokens(rng, token_ids, conv.first_len)
+        for rng, conv in zip(rngs, conversations)
+    ]
+    salts = [fresh_salt("conversation") for _ in conversations]
     alone_salts = [fresh_salt("alone") for _ in conversations]
-    if len({len(plan) for *_, plan in states}) > 1:
+    plans = [plan_turns(c.first_len, c.num_turns, c.resend) for c in conversations]
+    if len({len(plan) for plan in plans}) > 1:
         raise ValueError("conversations played together must have as many turns")
-    for index in range(len(states[0][4])):
+    for index in range(len(plans[0])):
         batch = []
-        for conv, _, salt, prompt, plan in states:
+        for conv, plan, prompt, salt in zip(conversations, plans, prompts, salts):
             turn = planned_turn(play, conv.label, plan[index])
             if turn.prompt_len != len(prompt):
                 raise AssertionError(f"{turn.name}: the plan and the prompt part")
@@ -314,27 +289,19 @@ def play_waves(
             for args in batch:
                 play_turn(wave, *args)
         if play.prefill_step:
+            # under a salt whose earlier turns went alone too: the hit's counterpart
+            # on its checkpoint and chunks (harness/restores.py)
             for (turn, prompt, _), alone_salt in zip(batch, alone_salts):
-                send_alone(play, turn, prompt, alone_salt)
+                start = time.monotonic()
+                turn.alone = send(play.servers, play.binding.model, prompt, alone_salt)
+                turn.seconds += time.monotonic() - start
         yield index
-        for i, ((conv, rng, salt, prompt, plan), (turn, _, _)) in enumerate(
-            zip(states, batch)
-        ):
-            if index + 1 >= len(plan) or plan[index + 1].resend:
-                continue  # the resend sends this prompt again
-            assert turn.output is not None
-            grown = grown_prompt(
-                rng, play.binding.token_ids, prompt, turn.output.token_ids
-            )
-            states[i] = (conv, rng, salt, grown, plan)
-
-
-def send_alone(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
-    """``prompt`` alone under ``salt``, whose earlier turns went alone too: the
-    hit's counterpart on its checkpoint and chunks (harness/restores.py)."""
-    start = time.monotonic()
-    turn.alone = send(play.servers, play.binding.model, prompt, salt)
-    turn.seconds += time.monotonic() - start
+        for i, ((turn, prompt, _), plan) in enumerate(zip(batch, plans)):
+            # the next prompt grows, unless it is this one's resend
+            if index + 1 < len(plan) and not plan[index + 1].resend:
+                assert turn.output is not None
+                out = turn.output.token_ids
+                prompts[i] = grown_prompt(rngs[i], token_ids, prompt, out)
 
 
 def run_conversations(

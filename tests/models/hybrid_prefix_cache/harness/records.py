@@ -1,9 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""A case's record: the frozen facts of what it observed and its verdict
-(:class:`CaseRecord`, ``record.ok`` and ``record.explain()`` for the test's
-assertion), its turn table, and its JSON report (:func:`report`), from
-which ``tests.models.hybrid_prefix_cache.reproducer`` writes a reproducer."""
+"""A case's record (:class:`CaseRecord`): what it observed and its verdict, for the
+test's ``assert record.ok, record.explain()``, and its JSON report (:func:`report`),
+from which ``tests.models.hybrid_prefix_cache.reproducer`` writes a reproducer."""
 
 import json
 import sys
@@ -34,58 +33,6 @@ def _gap(comparison: Comparison | None) -> str:
     return f"{tied}{comparison.gap:.3g}"
 
 
-def format_table(
-    case_id: str,
-    units: Units | None,
-    turns: Sequence[Turn],
-    noise: PathNoise | None = None,
-) -> str:
-    """The turn table of one case: per turn, the hit, its recompute's
-    tokens, the hit's gap to the request on its own path (``max|dlp|``;
-    batched, its recompute alone on a batch-invariant server, the same prompt
-    alone's prefill step at the servers' threads, or else its batched cold
-    twin), and the gap of a comparison across
-    paths with its tolerance (``path|dlp|``, ``tol``: under P/D the
-    transfer relay against the decoder alone, exactly, or else the cold twin
-    against it, within the measured noise); ``~`` marks a gap of samples that
-    part, up to where they part. Then the case's path noise, if measured."""
-    geometry = f"hit unit {units.hit}, block {units.block}" if units else "no geometry"
-    lines = [
-        f"== {case_id}: {geometry}",
-        f"{'conversation':<14} {'turn':>6} {'prompt':>6} {'expected':>8} "
-        f"{'cached':>6} {'bound':>6} {'recompute':>9} {'tokens':>6} "
-        f"{'max|dlp|':>9} {'path|dlp|':>9} {'tol':>8} {'s':>5}  verdict",
-    ]
-    for turn in turns:
-        out, rec = turn.output, turn.recompute
-        same = "same" if out and rec and out.token_ids == rec.token_ids else "DIFF"
-        own = next((c for c in turn.comparisons if c.what.startswith("hit ")), None)
-        across = next(
-            (
-                c
-                for c in turn.comparisons
-                if not c.same_path or c.what.startswith("transfer")
-            ),
-            None,
-        )
-        if across is own:
-            across = None
-        tol = across.tolerance if across else own.tolerance if own else None
-        verdict = "FAIL" if turn.problems else "notice" if turn.notices else "ok"
-        lines.append(
-            f"{turn.conversation or '-':<14} "
-            f"{'resend' if turn.resend else turn.index:>6} {turn.prompt_len:>6} "
-            f"{turn.expected:>8} {out.cached_tokens if out else '-':>6} "
-            f"{turn.bound:>6} {rec.cached_tokens if rec else '-':>9} "
-            f"{same if rec else '-':>6} {_gap(own):>9} {_gap(across):>9} "
-            f"{'-' if tol is None else f'{tol:.3g}':>8} {turn.seconds:>5.1f}  "
-            f"{verdict}"
-        )
-    if noise is not None:
-        lines.append(str(noise))
-    return "\n".join(lines)
-
-
 class CaseProblems:
     """What a case in progress and its record both say of its problems: the
     problems of its turns and its own, and its turn table."""
@@ -97,7 +44,6 @@ class CaseProblems:
     noise: PathNoise | None
 
     def failures(self) -> list[str]:
-        """Every problem the case found: its turns', then its own."""
         return [p for turn in self.turns for p in turn.problems] + list(self.problems)
 
     @property
@@ -105,21 +51,104 @@ class CaseProblems:
         return not self.failures()
 
     def explain(self) -> str:
-        """The case's problems and its turn table: the message of a test's
-        ``assert record.ok, record.explain()``."""
+        """The message of a test's ``assert record.ok, record.explain()``."""
         failures = self.failures()
-        return "\n".join(
-            [f"{self.case_id}: {len(failures)} problem(s)", *failures, ""]
-            + [format_table(self.case_id, self.units, self.turns, self.noise)]
+        head = f"{self.case_id}: {len(failures)} problem(s)"
+        return "\n".join([head, *failures, "", format_table(self)])
+
+
+def format_table(case: CaseProblems) -> str:
+    """Per turn: the hit, its recompute's tokens, the hit's gap to the request on its
+    own path (``max|dlp|``: batched, its recompute alone on a batch-invariant server,
+    the same prompt alone's prefill step at the servers' threads, or else its batched
+    cold twin) and the gap across paths with its tolerance (``path|dlp|``, ``tol``:
+    under P/D the transfer relay against the decoder alone, exactly, or else the cold
+    twin against it, within the measured noise); ``~``: samples part, up to there."""
+    units = case.units
+    geometry = f"hit unit {units.hit}, block {units.block}" if units else "no geometry"
+    lines = [
+        f"== {case.case_id}: {geometry}",
+        f"{'conversation':<14} {'turn':>6} {'prompt':>6} {'expected':>8} "
+        f"{'cached':>6} {'bound':>6} {'recompute':>9} {'tokens':>6} "
+        f"{'max|dlp|':>9} {'path|dlp|':>9} {'tol':>8} {'s':>5}  verdict",
+    ]
+    for turn in case.turns:
+        out, rec, compared = turn.output, turn.recompute, turn.comparisons
+        same = "same" if out and rec and out.token_ids == rec.token_ids else "DIFF"
+        own = next((c for c in compared if c.what.startswith("hit ")), None)
+        across = next(
+            (c for c in compared if not c.same_path or c.what.startswith("transfer")),
+            None,
         )
+        across = None if across is own else across
+        tol = across.tolerance if across else own.tolerance if own else None
+        verdict = "FAIL" if turn.problems else "notice" if turn.notices else "ok"
+        lines.append(
+            f"{turn.conversation or '-':<14} "
+            f"{'resend' if turn.resend else turn.index:>6} {turn.prompt_len:>6} "
+            f"{turn.expected:>8} {out.cached_tokens if out else '-':>6} "
+            f"{turn.bound:>6} {rec.cached_tokens if rec else '-':>9} "
+            f"{same if rec else '-':>6} {_gap(own):>9} {_gap(across):>9} "
+            f"{'-' if tol is None else f'{tol:.3g}':>8} {turn.seconds:>5.1f}  "
+            f"{verdict}"
+        )
+    if case.noise is not None:
+        lines.append(str(case.noise))
+    return "\n".join(lines)
+
+
+def _sample(s: Sample | None) -> dict | None:
+    if s is None:
+        return None
+    return {
+        "token_ids": s.token_ids,
+        "token_logprobs": s.token_logprobs,
+        "top_logprobs": [{str(k): v for k, v in top.items()} for top in s.top_logprobs],
+        "cached_tokens": s.cached_tokens,
+        "prompt_tokens": s.prompt_tokens,
+    }
+
+
+def _turn_json(t: Turn) -> dict:
+    return {
+        "conversation": t.conversation,
+        "turn": "resend" if t.resend else t.index,
+        "prompt_len": t.prompt_len,
+        "prev_len": t.prev_len,
+        "expected": t.expected,
+        "bound": t.bound,
+        "cached": t.output.cached_tokens if t.output else None,
+        "decoder_cached": t.output.decoder_hit if t.output else None,
+        "max_logprob_diff": t.max_logprob_diff,
+        "divergence": (
+            first_divergence(t.output, t.recompute)
+            if t.output and t.recompute
+            else None
+        ),
+        "seconds": round(t.seconds, 2),
+        "hit": _sample(t.output),
+        "recompute": _sample(t.recompute),
+        "twin": _sample(t.twin),
+        "control": _sample(t.control),
+        "more_controls": [_sample(c) for c in t.more_controls],
+        "batched": t.batched,
+        "batch_invariant": t.invariant,
+        "prefill_step": t.prefill_step,
+        "alone": _sample(t.alone),
+        "mid_block": t.mid_block,
+        "comparisons": [{**vars(c), "judged": c.judged} for c in t.comparisons],
+        "problems": list(t.problems),
+        "findings": _findings(t.problems),
+        "notices": list(t.notices),
+        "salt": t.salt,
+        "prompt": list(t.prompt),
+    }
 
 
 @dataclass(frozen=True, repr=False)
 class CaseRecord(CaseProblems):
-    """What one case observed, and its verdict: the facts its table, JSON
-    record and reproducer are written from, frozen when the case ends
-    (harness/session.py). Its repr is one line: pytest prints it under a
-    failed ``assert record.ok``, where ``explain()`` has already said it all."""
+    """Frozen when the case ends (harness/session.py). Its repr is one line: pytest
+    prints it under a failed ``assert record.ok``, where ``explain()`` said it all."""
 
     case_id: str
     # The pytest node that ran the case, if any (dev/benchmark_cpu_tier.py).
@@ -145,70 +174,17 @@ class CaseRecord(CaseProblems):
         return f"CaseRecord({self.case_id!r}: {outcome}, {len(self.turns)} turns)"
 
     def as_json(self) -> dict:
-        def sample(s: Sample | None) -> dict | None:
-            if s is None:
-                return None
-            return {
-                "token_ids": s.token_ids,
-                "token_logprobs": s.token_logprobs,
-                "top_logprobs": [
-                    {str(token): lp for token, lp in top.items()}
-                    for top in s.top_logprobs
-                ],
-                "cached_tokens": s.cached_tokens,
-                "prompt_tokens": s.prompt_tokens,
-            }
-
         return {
             "case_id": self.case_id,
             "test": self.test,
             "outcome": self.outcome,
             "verdict": self.verdict,
             "seconds": round(self.seconds, 2),
-            "phase_seconds": {
-                name: round(seconds, 2) for name, seconds in self.phase_seconds.items()
-            },
+            "phase_seconds": {k: round(v, 2) for k, v in self.phase_seconds.items()},
             "server_startup_seconds": [round(s, 2) for s in self.startup_seconds],
             "servers_reused": self.reused,
             "units": None if self.units is None else vars(self.units),
-            "turns": [
-                {
-                    "conversation": t.conversation,
-                    "turn": "resend" if t.resend else t.index,
-                    "prompt_len": t.prompt_len,
-                    "prev_len": t.prev_len,
-                    "expected": t.expected,
-                    "bound": t.bound,
-                    "cached": t.output.cached_tokens if t.output else None,
-                    "decoder_cached": t.output.decoder_hit if t.output else None,
-                    "max_logprob_diff": t.max_logprob_diff,
-                    "divergence": (
-                        first_divergence(t.output, t.recompute)
-                        if t.output and t.recompute
-                        else None
-                    ),
-                    "seconds": round(t.seconds, 2),
-                    "hit": sample(t.output),
-                    "recompute": sample(t.recompute),
-                    "twin": sample(t.twin),
-                    "control": sample(t.control),
-                    "more_controls": [sample(c) for c in t.more_controls],
-                    "batched": t.batched,
-                    "batch_invariant": t.invariant,
-                    "prefill_step": t.prefill_step,
-                    "alone": sample(t.alone),
-                    "mid_block": t.mid_block,
-                    "comparisons": [
-                        {**vars(c), "judged": c.judged} for c in t.comparisons
-                    ],
-                    "problems": list(t.problems),
-                    "findings": _findings(t.problems),
-                    "notices": list(t.notices),
-                    "salt": t.salt,
-                    "prompt": list(t.prompt),
-                }
-                for t in self.turns
-            ],
+            "turns": [_turn_json(t) for t in self.turns],
             "path_noise": None
             if self.noise is None
             else {**vars(self.noise), "tolerance": self.noise.tolerance},
@@ -253,18 +229,16 @@ def serve_info(
 
 
 def report(record: CaseRecord, summary: list[CaseRecord] | None = None) -> None:
-    """Print the record's turn table, notices and problems, append it to
-    ``summary``, and write its JSON record (on a failure, with the command
-    that turns it into a reproducer)."""
-    print("\n" + format_table(record.case_id, record.units, record.turns, record.noise))
+    """Print the record's turn table, notices and problems, append it to ``summary``,
+    and write its JSON record (on a failure, with how to make a reproducer)."""
+    print("\n" + format_table(record))
     for notice in [n for t in record.turns for n in t.notices] + [*record.notices]:
         print(f"notice: {notice}")
     for problem in record.problems:
         print(f"problem: {problem}")
     if summary is not None:
         summary.append(record)
-    data = record.as_json()
     path = report_folder() / f"{record.case_id}.json"
-    path.write_text(json.dumps(data, indent=1))
+    path.write_text(json.dumps(record.as_json(), indent=1))
     if not record.ok:
         print(f"record: {path} (its reproducer: dev/suite.sh reproduce {path})")

@@ -1,9 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""A case in progress (:class:`CaseSession`): what it has observed so far, its
-play and its counter window. :func:`case_session` ends it: it judges the case
-against its known failures, freezes its :class:`CaseRecord` with the verdict,
-writes that record, and only then raises the outcome."""
+"""A case in progress (:class:`CaseSession`): what it has observed, its play and
+its counter window. :func:`case_session` judges it against its known failures,
+freezes and writes its :class:`CaseRecord`, and only then raises the outcome."""
 
 import contextlib
 import os
@@ -29,11 +28,7 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (
     Units,
     select_known,
 )
-from tests.models.hybrid_prefix_cache.harness.known import (
-    Judgment,
-    judge_failure,
-    judge_pass,
-)
+from tests.models.hybrid_prefix_cache.harness.known import judge_failure, judge_pass
 from tests.models.hybrid_prefix_cache.harness.paths import PathNoise
 from tests.models.hybrid_prefix_cache.harness.records import (
     CaseProblems,
@@ -99,10 +94,8 @@ class CaseSession(CaseProblems):
         batched: bool = False,
         prefill_step: bool = False,
     ) -> Iterator[Play]:
-        """Get the case's servers from ``pool`` (started, or reused), record
-        their geometry, open the case's counter window and reconcile it at
-        the end. A case that ends in an exception stops its servers: they
-        may be what broke."""
+        """Open the case's counter window on its servers and reconcile it at the end.
+        A case that ends in an exception stops its servers: they may be what broke."""
         __tracebackhide__ = True
         starts = pool.starts
         servers = pool.acquire(binding, deployment, mode)
@@ -110,8 +103,8 @@ class CaseSession(CaseProblems):
         if not self.reused:
             self.startup_seconds = [s.startup_seconds or 0.0 for s in servers]
         try:
-            # The hit unit is the one of the instance that consults its
-            # prefix cache: the prefiller under P/D.
+            # The hit unit is that of the instance that consults its prefix
+            # cache: the prefiller under P/D.
             self.units = Units.from_cache_config(cache_config(servers[0]), mode)
             self.window = open_window(servers)
             self.play = Play(
@@ -157,7 +150,7 @@ class CaseSession(CaseProblems):
             phase_seconds=dict(self.phases.seconds),
             outcome=outcome,
             verdict=verdict,
-            noise=None if play is None else play.noise,
+            noise=self.noise,
             serve=serve_info(
                 play, MAX_TOKENS, NUM_LOGPROBS, PREFILL_KV_TRANSFER_PARAMS
             ),
@@ -168,13 +161,13 @@ def failure_text(case: CaseSession, error: BaseException | None) -> str:
     """Everything a case's failure says, searched for a known entry's evidence:
     the exception (with ServerError.log) or the case's problems, and every
     server's log, where a crash that surfaced elsewhere left its cause."""
-    parts = [case.explain() if error is None else ""]
-    servers = case.play.servers if case.play is not None else ()
-    if error is not None:
+    if error is None:
+        parts = [case.explain()]
+    else:
         # A server that failed to start is in no play: only the error has its log.
         log = getattr(error, "log", "") if case.play is None else ""
-        parts.append(f"{type(error).__name__}: {error}{log}")
-    for server in servers:
+        parts = [f"{type(error).__name__}: {error}{log}"]
+    for server in case.play.servers if case.play is not None else ():
         path = getattr(server, "log_path", None)
         if path is not None and path.exists():
             parts.append(f"log of {path.name}:\n{path.read_text(errors='replace')}")
@@ -182,14 +175,11 @@ def failure_text(case: CaseSession, error: BaseException | None) -> str:
 
 
 def failure_summary(case: CaseSession, error: BaseException | None) -> str:
-    """What a stale table's message shows of a failure, in one screen: the
-    problems and turn table, or the exception (its log's tail), then the
-    server logs and the record by path."""
+    """What a stale table's message shows of a failure, in one screen: the problems
+    and turn table, or the exception, then the server logs and record by path."""
     parts = [case.explain() if error is None else f"{type(error).__name__}: {error}"]
-    paths = [getattr(error, "log_path", None)] if case.play is None else []
-    paths += (
-        [getattr(s, "log_path", None) for s in case.play.servers] if case.play else []
-    )
+    holders = case.play.servers if case.play is not None else [error]
+    paths = [getattr(holder, "log_path", None) for holder in holders]
     logs = [str(path) for path in paths if path is not None]
     if logs:
         parts.append("server logs: " + ", ".join(logs))
@@ -197,46 +187,14 @@ def failure_summary(case: CaseSession, error: BaseException | None) -> str:
     return "\n".join(parts)
 
 
-def judge(case: CaseSession, error: BaseException | None) -> Judgment | None:
-    """The known failure's judgment of how the case ended, if one applies. A
-    case pytest skipped or xfailed itself, or an interrupt, is not judged."""
-    if error is not None and not isinstance(error, Exception):
-        return None
-    entry = case.entry
-    if entry is None:
-        return None
-    if error is not None or not case.ok:
-        return judge_failure(
-            case.case_id,
-            entry,
-            failure_text(case, error),
-            failure_summary(case, error),
-            case.failures(),
-        )
-    return judge_pass(case.case_id, entry)
-
-
-def _outcome(case: CaseSession, error: BaseException | None) -> str:
-    if isinstance(error, pytest.skip.Exception):
-        return "skipped"
-    if isinstance(error, pytest.xfail.Exception):
-        return "xfail"
-    if error is not None:
-        return f"error: {type(error).__name__}"
-    return "pass" if case.ok else "FAIL"
-
-
 @contextlib.contextmanager
 def case_session(
-    case_id: str,
-    summary: list[CaseRecord] | None = None,
-    known: Sequence[Known] = (),
+    case_id: str, summary: list[CaseRecord] | None = None, known: Sequence[Known] = ()
 ) -> Iterator[CaseSession]:
-    """Run a case, then freeze its record (``case.record``) with the verdict
-    of the known failure that applies, if any, and write it (:func:`report`)
-    however the case ended. Then a listed case xfails, skips or fails
-    (``harness.known``); an unlisted one raises what it raised, and its
-    problems are the caller's to assert on ``case.record``."""
+    """Run a case, then freeze its record (``case.record``) with the verdict of
+    the known failure that applies and write it, however the case ended. Then a
+    listed case xfails, skips or fails (``harness.known``); an unlisted one raises
+    what it raised, and its problems are the caller's to assert on."""
     __tracebackhide__ = True
     # pytest names the running test as "<node id> (<phase>)".
     test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
@@ -250,9 +208,25 @@ def case_session(
         error = e
     finally:
         CLOCK.reset(clock)
-    judgment = judge(case, error)
+    # A case pytest skipped or xfailed itself, or an interrupt, is not judged.
+    entry = case.entry if error is None or isinstance(error, Exception) else None
+    if entry is None:
+        judgment = None
+    elif error is not None or not case.ok:
+        text, shown = failure_text(case, error), failure_summary(case, error)
+        judgment = judge_failure(case_id, entry, text, shown, case.failures())
+    else:
+        judgment = judge_pass(case_id, entry)
+    if isinstance(error, pytest.skip.Exception):
+        outcome = "skipped"
+    elif isinstance(error, pytest.xfail.Exception):
+        outcome = "xfail"
+    elif error is not None:
+        outcome = f"error: {type(error).__name__}"
+    else:
+        outcome = "pass" if case.ok else "FAIL"
     verdict = "" if judgment is None else judgment.verdict
-    case.record = case.freeze(_outcome(case, error), verdict, time.monotonic() - start)
+    case.record = case.freeze(outcome, verdict, time.monotonic() - start)
     report(case.record, summary)
     if judgment is not None:
         judgment.enact(error)
