@@ -1,20 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Model-agnostic harness for prefix-cache tests of hybrid models: a growing
-conversation hits at least the previous prompt's last checkpoint on every
-turn and equals a recompute under a fresh ``cache_salt``. A tier binds a
-model (:class:`Binding`), lists what to deploy and how to match
-(:class:`Deployment`, :class:`Mode`, a :class:`Matrix`), and runs::
-
-    record = MATRIX.run(hybrid_suite, case_id, binding, deployment, mode)
-    assert record.ok, record.explain()
-
-This facade holds only what a binding uses. Every other name lives in the
-module named for what it owns, each importing only those before it: problems,
-rules, deployment, compare, paths, transfer, reconcile, known, clock, servers,
-client, window, conversation, records, session, cases, workload (the
-workloads themselves are the ``workloads`` package), matrix; plugin.
-"""
+"""What a hybrid-model prefix-cache binding imports. Modules import only earlier ones:
+problems, rules, deployment, compare, paths, transfer, reconcile, known, clock, servers,
+client, window, conversation, records, session, cases, workload, matrix; plugin."""
 
 from tests.models.hybrid_prefix_cache.harness.cases import Suite, run_case, run_resend
 from tests.models.hybrid_prefix_cache.harness.client import cache_config
@@ -52,36 +40,9 @@ from tests.models.hybrid_prefix_cache.harness.workload import (
     WorkloadRun,
 )
 
-__all__ = [
-    "Binding",
-    "CaseRecord",
-    "Deployment",
-    "Drafting",
-    "Finding",
-    "InProcess",
-    "Instance",
-    "Known",
-    "Matrix",
-    "Mode",
-    "ServerPool",
-    "Suite",
-    "Units",
-    "Workload",
-    "WorkloadRun",
-    "cache_config",
-    "case_seconds",
-    "cpu_offload",
-    "exact_budget",
-    "finding",
-    "holds_for",
-    "kv_connector",
-    "matrix_modes",
-    "multi_connector",
-    "run_case",
-    "run_resend",
-    "server_args",
-    "server_specs",
-    "servers_mark",
-    "with_serve_args",
-    "with_serve_env",
-]
+__all__ = ["Suite", "run_case", "run_resend", "cache_config", "Binding", "Deployment"]
+__all__ += ["Instance", "Known", "Mode", "Units", "cpu_offload", "kv_connector"]
+__all__ += ["matrix_modes", "multi_connector", "server_args", "with_serve_args"]
+__all__ += ["with_serve_env", "Matrix", "case_seconds", "servers_mark", "Finding"]
+__all__ += ["finding", "CaseRecord", "Drafting", "exact_budget", "holds_for"]
+__all__ += ["ServerPool", "server_specs", "InProcess", "Workload", "WorkloadRun"]

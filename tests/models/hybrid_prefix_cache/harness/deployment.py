@@ -6,6 +6,7 @@ arguments, reported geometry and known failures. Pure."""
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import accumulate, pairwise
 from math import lcm
 
 from packaging.version import Version
@@ -17,9 +18,7 @@ from tests.models.hybrid_prefix_cache.harness.rules import PD_PREFILL_BACKOFF
 
 @dataclass(frozen=True)
 class Mode:
-    """By block or a finer prefix match unit, with or without a drafter."""
-
-    prefix_match_unit: int | None = None
+    prefix_match_unit: int | None = None  # None: by block
     spec: Mapping | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
@@ -36,8 +35,7 @@ class Mode:
 
     def drafting(self, instance: "Instance | None" = None) -> rules.Drafting:
         """:func:`rules.drafting` for ``instance`` (None: no KV connector)."""
-        if instance is None:
-            return rules.drafting(self.spec)
+        instance = instance or Instance()
         return rules.drafting(
             self.spec,
             kv_config=instance.kv_config,
@@ -55,8 +53,7 @@ class Mode:
 
 
 def matrix_modes(partial_unit: int, drafter: str, spec: Mapping) -> dict[str, Mode]:
-    """Every tier's four modes: block or partial, each without and with
-    ``drafter``."""
+    """Every tier's four modes: block or partial, without and with ``drafter``."""
     return {
         "block": Mode(),
         "partial": Mode(prefix_match_unit=partial_unit),
@@ -66,8 +63,7 @@ def matrix_modes(partial_unit: int, drafter: str, spec: Mapping) -> dict[str, Mo
 
 
 def kv_connector(name: str, extra: Mapping | None = None, **fields) -> dict:
-    """A ``--kv-transfer-config``: ``name`` as kv_both, ``extra`` its extra
-    config."""
+    """A kv_both ``--kv-transfer-config``, ``extra`` its extra config."""
     config = {"kv_connector": name, "kv_role": "kv_both", **fields}
     if extra is not None:
         config["kv_connector_extra_config"] = dict(extra)
@@ -81,14 +77,11 @@ def cpu_offload(bytes_per_rank: int) -> dict:
 
 
 def multi_connector(*connectors: Mapping) -> dict:
-    """MultiConnector over ``connectors``, in that order."""
     return kv_connector("MultiConnector", {"connectors": list(connectors)})
 
 
 @dataclass(frozen=True)
 class Instance:
-    """One ``vllm serve`` process: its devices, environment and arguments."""
-
     tp: int = 1
     dp: int = 1
     dcp: int = 1
@@ -130,9 +123,7 @@ class Deployment:
 
     @property
     def instances(self) -> tuple[Instance, ...]:
-        if self.prefill is None:
-            return (self.decode,)
-        return (self.prefill, self.decode)
+        return (self.decode,) if self.prefill is None else (self.prefill, self.decode)
 
     @property
     def num_devices(self) -> int:
@@ -145,8 +136,7 @@ class Deployment:
 
     @property
     def same_instances(self) -> bool:
-        """Whether P/D's two instances are one configuration, env aside
-        (harness.transfer)."""
+        """Whether P/D's two instances are one config, env aside (harness.transfer)."""
         if self.prefill is None:
             return False
         return replace(self.prefill, env={}) == replace(self.decode, env={})
@@ -165,36 +155,30 @@ def _each_instance(
 
 
 def with_serve_args(deployment: Deployment, args: Sequence[str]) -> Deployment:
-    """``deployment`` with ``args`` added to each instance's arguments."""
     return _each_instance(
         deployment, lambda i: replace(i, serve_args=(*i.serve_args, *args))
     )
 
 
 def with_serve_env(deployment: Deployment, env: Mapping[str, str]) -> Deployment:
-    """``deployment`` with ``env`` added to each instance's environment."""
     return _each_instance(deployment, lambda i: replace(i, env={**i.env, **env}))
 
 
 def device_ranges(deployment: Deployment) -> list[range]:
     """Disjoint, contiguous device ids for each instance, in order."""
-    ranges, start = [], 0
-    for instance in deployment.instances:
-        ranges.append(range(start, start + instance.num_devices))
-        start += instance.num_devices
-    return ranges
+    ends = [0, *accumulate(i.num_devices for i in deployment.instances)]
+    return [range(start, end) for start, end in pairwise(ends)]
 
 
 @dataclass(frozen=True)
 class Binding:
-    """What a tier binds the harness to. ``logprob_atol``: a hit against a cold
-    request on its numerical path (0.0 bit-exact; None: check_logprobs_close
-    only); cross-path comparisons take measured noise (paths.check_paths).
-    ``exact_on_blocks``: only hits on a multiple of ``exact_grid`` (None: the
-    block) share the recompute's path.
-    ``exact_across_instances``: one config computes alike in two processes
-    (the CPU and GPU tiers; not Kimi-K3's instances). ``batch_invariant_env``:
-    computes each request as if alone (None: batched twins, measured noise)."""
+    """What a tier binds the harness to. ``logprob_atol``: a hit against a cold request
+    on its numerical path (0.0 bit-exact; None: check_logprobs_close only); cross-path
+    comparisons take measured noise (paths.check_paths). ``exact_on_blocks``: only hits
+    on a multiple of ``exact_grid`` (None: the block) share the recompute's path.
+    ``exact_across_instances``: one config computes alike in two processes (the CPU
+    and GPU tiers; not Kimi-K3's). ``batch_invariant_env``: computes each request as
+    if alone (None: batched twins, measured noise)."""
 
     model: str
     base_args: tuple[str, ...]
@@ -244,27 +228,22 @@ class Units:
 
 @dataclass(frozen=True)
 class Known:
-    """A cell that cannot pass and what its failure must show: ``evidence``,
-    the text vLLM prints (a crash, a refusal), or ``found``, what a check of
-    the record finds (its kind, turn and numbers; harness.problems). ``kind``:
-    "xfail" (a vLLM bug; strict) or "unsupported" (the server refuses; skip).
-    ``geometry``: the (block, hit unit) it needs. ``confirmed_by``: the one case
-    confirming a shared failure. ``at_config``: refused while building the
-    config, confirmed in-process. ``releases``: PEP 440, None for all."""
+    """A cell that cannot pass and what its failure must show: ``evidence``, the text
+    vLLM prints (a crash, a refusal), or ``found``, what a check of the record finds."""
 
-    kind: str
+    kind: str  # "xfail" (a vLLM bug; strict) or "unsupported" (refused: skip)
     reason: str
     evidence: str = ""
-    found: Finding | None = None
-    geometry: tuple[int, int] | None = None
-    confirmed_by: str | None = None
-    at_config: bool = False
-    releases: str | None = None
+    found: Finding | None = None  # its kind, turn and numbers (harness.problems)
+    geometry: tuple[int, int] | None = None  # the (block, hit unit) it needs
+    confirmed_by: str | None = None  # the one case confirming a shared failure
+    at_config: bool = False  # refused while building the config: confirmed in-process
+    releases: str | None = None  # PEP 440, None for all
 
     def __post_init__(self) -> None:
         if self.kind not in ("xfail", "unsupported"):
             raise ValueError(f"unknown kind of known failure: {self.kind!r}")
-        if bool(self.evidence) == (self.found is not None):
+        if bool(self.evidence) == self.in_record:
             raise ValueError("a known failure shows either vLLM's text or a finding")
         if self.at_config and self.kind != "unsupported":
             raise ValueError("only a refusal can be confirmed at config time")
@@ -278,7 +257,6 @@ class Known:
 
     @property
     def in_record(self) -> bool:
-        """Whether a check of the record shows it (a finding)."""
         return self.found is not None
 
     @property
@@ -303,17 +281,11 @@ class Known:
         """Whether it holds for ``version`` (default: the vLLM under test)."""
         return rules.holds_for(self.releases, version)
 
-    def applies(self, units: "Units | None") -> bool:
-        if not self.holds():
-            return False
-        if self.geometry is None:
-            return True
-        return units is not None and (units.block, units.hit) == self.geometry
-
 
 def select_known(entries: Sequence[Known], units: "Units | None") -> Known | None:
     """The entry that applies at ``units`` (None: no server answered)."""
-    found = [known for known in entries if known.applies(units)]
+    at = None if units is None else (units.block, units.hit)
+    found = [k for k in entries if k.holds() and k.geometry in (None, at)]
     if len(found) > 1:
         raise ValueError(f"several known failures apply at {units}: {found}")
     return found[0] if found else None

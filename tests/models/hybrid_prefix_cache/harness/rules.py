@@ -5,6 +5,7 @@ source; across releases, the vLLM under test's code or release decides."""
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -85,18 +86,14 @@ def pd_lookup_backoff() -> int:
 def decoder_reports_prefill_hit() -> bool:
     """Whether a P/D decoder reports the prefiller's hit (0.32: output_processor.py
     remote_prefill_cached_tokens); 0.26 reports all it held."""
-    import inspect
-
     import vllm.v1.engine.output_processor as output_processor
 
     return "remote_prefill_cached_tokens" in inspect.getsource(output_processor)
 
 
 def decoder_reported_cached(prompt_len: int, prefill_hit: int) -> int:
-    """The cached tokens a P/D decoder reports for its leg."""
-    if decoder_reports_prefill_hit():
-        return prefill_hit
-    return prompt_len - PD_PREFILL_BACKOFF
+    held = prompt_len - PD_PREFILL_BACKOFF
+    return prefill_hit if decoder_reports_prefill_hit() else held
 
 
 def seen_lengths(prev_len: int, prompt_len: int, backoff: int) -> tuple[int, int]:
@@ -149,30 +146,14 @@ def _declared(cls: type, fields: Mapping):
     return instance
 
 
-def _lookahead_count(speculative) -> int:
-    """Prefill lookahead: 0.34 spec_decode/speculator_config.py, 0.33 VllmConfig."""
-    from vllm.config import VllmConfig
-
-    if hasattr(type(speculative), "speculator_config"):
-        return speculative.speculator_config.num_prefill_lookahead_tokens
-    stand_in = SimpleNamespace(
-        speculative_config=speculative,
-        num_speculative_tokens=speculative.num_speculative_tokens,
-    )
-    return VllmConfig.num_prefill_lookahead_tokens.fget(stand_in)
-
-
 def _connector_hashes_lookahead(kv_config: Mapping) -> bool:
     """0.34: KVConnectorBase_V1.supports_lookahead_block_hashes."""
     from vllm.config import KVTransferConfig
-    from vllm.distributed.kv_transfer.kv_connector.factory import (
-        KVConnectorFactory,
-    )
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     config = KVTransferConfig(**kv_config)
-    return KVConnectorFactory.get_connector_class(
-        config
-    ).supports_lookahead_block_hashes(config)
+    connector = KVConnectorFactory.get_connector_class(config)
+    return connector.supports_lookahead_block_hashes(config)
 
 
 def drafting(
@@ -201,22 +182,21 @@ def drafting(
         return Drafting(drops_unit=True)  # 0.32: no lookahead hashes
     if getattr(speculative, "disable_lookahead_block_hashes", False):
         return Drafting(drops_unit=True)
-    if kv_config is not None and not (
-        per_connector and _connector_hashes_lookahead(kv_config)
-    ):
+    if kv_config is not None:
+        if not (per_connector and _connector_hashes_lookahead(kv_config)):
+            return Drafting(drops_unit=True)
+    elif not prefix_caching:
         return Drafting(drops_unit=True)
-    if not prefix_caching and not (per_connector and kv_config is not None):
-        return Drafting(drops_unit=True)
-    lookahead = _lookahead_count(speculative)
+    # Prefill lookahead: 0.34 spec_decode/speculator_config.py, 0.33 VllmConfig.
+    if hasattr(type(speculative), "speculator_config"):
+        lookahead = speculative.speculator_config.num_prefill_lookahead_tokens
+    else:
+        stand_in = SimpleNamespace(
+            speculative_config=speculative,
+            num_speculative_tokens=speculative.num_speculative_tokens,
+        )
+        lookahead = VllmConfig.num_prefill_lookahead_tokens.fget(stand_in)
     return Drafting(drops_unit=not lookahead, lookahead=lookahead)
-
-
-def drops_unit(
-    spec: Mapping | None, *, kv_connector: Mapping | None = None, prefix_caching=True
-) -> bool:
-    """:func:`drafting`'s drop alone."""
-    rule = drafting(spec, kv_config=kv_connector, prefix_caching=prefix_caching)
-    return rule.drops_unit
 
 
 def prompt_end_checkpoint(
@@ -241,11 +221,8 @@ def expected_cached(
     return prompt_end_checkpoint(prev_len, unit, drops_unit, lookahead)
 
 
-def expected_resend(
-    prompt_len: int, unit: int, drops_unit: bool, lookahead: int = 0
-) -> int:
-    """An exact resend hits its own prompt-end checkpoint."""
-    return prompt_end_checkpoint(prompt_len, unit, drops_unit, lookahead)
+# An exact resend hits its own prompt-end checkpoint.
+expected_resend = prompt_end_checkpoint
 
 
 def decode_checkpoint(
@@ -292,15 +269,9 @@ def impossible_hit(cached: int, prev_len: int, prompt_len: int, unit: int) -> st
 
 
 def expectation(
-    turn: PlannedTurn,
-    unit: int,
-    drops_unit: bool,
-    backoff: int = 0,
-    lookahead: int = 0,
+    turn: PlannedTurn, unit: int, drops_unit: bool, backoff: int = 0, lookahead: int = 0
 ) -> tuple[int, int]:
     """(expected hit, largest possible hit), seen ``backoff`` tokens short."""
     prev_len, prompt_len = seen_lengths(turn.prev_len, turn.prompt_len, backoff)
-    return (
-        expected_cached(prev_len, unit, drops_unit, lookahead),
-        hit_bound(prev_len, prompt_len, unit),
-    )
+    expected = expected_cached(prev_len, unit, drops_unit, lookahead)
+    return expected, hit_bound(prev_len, prompt_len, unit)

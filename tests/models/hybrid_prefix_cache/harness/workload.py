@@ -24,9 +24,7 @@ class InProcess(Protocol):
     """A tier's engines built in-process from exactly its servers' arguments."""
 
     def units(self, mode: Mode) -> Units: ...
-
     def budget(self, deployment: Deployment, mode: Mode) -> int: ...
-
     def replay_servers(
         self, deployment: Deployment, mode: Mode, args: Sequence[str]
     ) -> tuple[Any, list]: ...
@@ -62,18 +60,15 @@ class WorkloadRun:
 
 @dataclass(frozen=True)
 class Workload:
-    """A workload of the ``workloads`` package: its id suffix, the property it
-    holds, its vLLM rule, and its ``play`` on real servers (its scheduler-tier
-    replay is in ``scheduler.replays``)."""
+    """A workload of the ``workloads`` package: its id suffix, the property it holds,
+    its vLLM rule, and its ``play`` on real servers (its replay: scheduler.replays)."""
 
     name: str
     holds: str
     rule: str
     play: Callable[[WorkloadRun], CaseRecord] | None = None
-    # On real servers: servers of its own, started after the cell's others.
-    own_servers: bool = False
-    # On real servers: its requests, where it plays no cell turns (Case.turns).
-    turns: int | None = None
+    own_servers: bool = False  # started after the cell's other servers
+    turns: int | None = None  # its requests where it plays no cell turns (Case.turns)
 
     def failure(self, detail: str) -> str:
         """A record's problem that names the property."""
