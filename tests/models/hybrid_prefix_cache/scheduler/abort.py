@@ -1,36 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Requests aborted mid-prefill and retried, in replayed servers: the abort
-as the API server sends it, after a chunk or with one in flight
-(:func:`play_abort_retry`), and a retry admitted beside its original
-(:func:`play_overlapping_retry`)."""
+"""Requests aborted mid-prefill and retried, in replayed servers: the abort as the
+API server sends it, after a chunk or with one in flight (:func:`play_abort_retry`),
+and a retry admitted beside its original (:func:`play_overlapping_retry`)."""
 
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tests.models.hybrid_prefix_cache.harness.client import (
-    MAX_TOKENS,
-    PREFILL_KV_TRANSFER_PARAMS,
-)
+from tests.models.hybrid_prefix_cache.harness import client
 from tests.models.hybrid_prefix_cache.harness.conversation import random_tokens
 from tests.models.hybrid_prefix_cache.harness.deployment import Deployment
 from tests.models.hybrid_prefix_cache.harness.reconcile import ledger_entry
 from tests.models.hybrid_prefix_cache.scheduler.play import hit_and_recompute
-from tests.models.hybrid_prefix_cache.scheduler.servers import (
-    STEP_LIMIT,
-    EngineLoop,
-    ReplayServer,
-)
+from tests.models.hybrid_prefix_cache.scheduler.servers import STEP_LIMIT, ReplayServer
 from vllm.v1.request import RequestStatus
-
-
-def _in_flight(loop: EngineLoop, request_id: str) -> int:
-    """Tokens of ``request_id`` scheduled in steps whose outputs the engine
-    has not processed yet (asynchronous scheduling keeps one in flight)."""
-    return sum(
-        output.num_scheduled_tokens.get(request_id, 0) for output, _ in loop.queue
-    )
 
 
 @dataclass(frozen=True)
@@ -51,15 +35,14 @@ def play_abort_retry(
     token_ids: tuple[int, int],
 ) -> AbortRetry:
     """A cold request aborted mid-prefill as the API server aborts it
-    (Scheduler.finish_requests), then the same prompt and salt at once, and its
-    recompute. Asynchronously (no P/D) the abort lands with the chunk that
-    publishes the last checkpoint in flight (vLLM #56525's race); otherwise
-    after the first chunk."""
+    (Scheduler.finish_requests), then the same prompt and salt, and its recompute.
+    Asynchronously (no P/D) the abort lands with the last checkpoint's chunk in
+    flight (vLLM #56525's race), else after the first chunk."""
     prompt = random_tokens(random.Random(seed), token_ids, prompt_len)
     salt = f"abort-{seed}"
     first = servers[0]
-    sent = None if len(servers) == 1 else PREFILL_KV_TRANSFER_PARAMS
-    aborted = first.submit(prompt, salt, 1 if sent else MAX_TOKENS, sent)
+    sent = None if len(servers) == 1 else client.PREFILL_KV_TRANSFER_PARAMS
+    aborted = first.submit(prompt, salt, 1 if sent else client.MAX_TOKENS, sent)
     loop = first.routed[aborted.request_id]
     # num_computed_tokens counts a step in flight.
     race = loop.depth > 1 and sent is None
@@ -69,7 +52,11 @@ def play_abort_retry(
         assert first.step(), "the aborted request was never scheduled"
         request = loop.scheduler.requests.get(aborted.request_id)
         assert request is not None, "the request finished before it was aborted"
-    in_flight = _in_flight(loop, aborted.request_id)
+    # Scheduled in steps whose outputs the engine has not processed yet
+    # (asynchronous scheduling keeps one in flight).
+    in_flight = sum(
+        out.num_scheduled_tokens.get(aborted.request_id, 0) for out, _ in loop.queue
+    )
     written = request.num_computed_tokens - in_flight
     assert written < prompt_len, "the abort did not land mid-prefill"
     loop.scheduler.finish_requests([aborted.request_id], RequestStatus.FINISHED_ABORTED)
@@ -105,13 +92,12 @@ def play_overlapping_retry(
 ) -> OverlappingRetry:
     """A retry sent while its original still prefills, then the original aborted,
     under one salt: the retry is admitted beside one of the original's chunks,
-    possibly the one that publishes the last checkpoint and writes it only as
-    it runs. Then its recompute."""
+    maybe the one that writes the last checkpoint as it runs. Then its recompute."""
     prompt = random_tokens(random.Random(seed), token_ids, prompt_len)
     salt = f"overlap-{seed}"
     first = servers[0]
-    sent = None if len(servers) == 1 else PREFILL_KV_TRANSFER_PARAMS
-    max_tokens = 1 if sent else MAX_TOKENS
+    sent = None if len(servers) == 1 else client.PREFILL_KV_TRANSFER_PARAMS
+    max_tokens = 1 if sent else client.MAX_TOKENS
     original = first.submit(prompt, salt, max_tokens, sent)
     loop = first.routed[original.request_id]
     # Round-robin under DP: a short request for each other engine.
@@ -124,7 +110,6 @@ def play_overlapping_retry(
     retry = first.submit(prompt, salt, max_tokens, sent)
     assert first.routed[retry.request_id] is loop, "the retry went to another engine"
     scheduler = loop.scheduler
-    written = 0
     for _ in range(STEP_LIMIT):
         state = scheduler.requests.get(original.request_id)
         written = state.num_computed_tokens if state is not None else prompt_len
@@ -154,10 +139,8 @@ def play_overlapping_retry(
     for pad in pads:
         first.settle(pad, None)
     first.drain()
-    recompute = servers[-1].complete(prompt, f"recompute-{seed}")
-    assert recompute.cached_tokens is not None
+    recompute = servers[-1].complete(prompt, f"recompute-{seed}").cached_tokens
+    assert recompute is not None
     for server in servers:
         server.drain()
-    return OverlappingRetry(
-        prompt_len, written, aborted_at, hit, recompute.cached_tokens
-    )
+    return OverlappingRetry(prompt_len, written, aborted_at, hit, recompute)

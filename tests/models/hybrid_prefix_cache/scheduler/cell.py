@@ -1,9 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""One cell of a matrix as the scheduler tier replays it (:class:`ReplayCell`):
-its engines under a workload's :class:`Setting`, its replayed servers, and
-the verdict of a workload replayed on it, held to the tier's known
-failures; a binding's matrix as the tier's cells (:class:`ReplayTier`)."""
+"""A matrix cell as the scheduler tier replays it (:class:`ReplayCell`): its engines
+under a workload's :class:`Setting`, its servers, and its verdicts held to the tier's
+known failures; a binding's matrix as the tier's cells (:class:`ReplayTier`)."""
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -13,11 +12,6 @@ import pytest
 
 from tests.models.hybrid_prefix_cache import harness
 from tests.models.hybrid_prefix_cache.harness.deployment import Deployment, Mode
-from tests.models.hybrid_prefix_cache.harness.known import (
-    STALE,
-    judge_failure,
-    judge_pass,
-)
 from tests.models.hybrid_prefix_cache.harness.workload import Workload
 from tests.models.hybrid_prefix_cache.scheduler.engine import Engine
 from tests.models.hybrid_prefix_cache.scheduler.judge import check_geometry
@@ -25,10 +19,7 @@ from tests.models.hybrid_prefix_cache.scheduler.play import (
     TurnResult,
     play_conversations,
 )
-from tests.models.hybrid_prefix_cache.scheduler.servers import (
-    ReplayServer,
-    servers_for,
-)
+from tests.models.hybrid_prefix_cache.scheduler.servers import ReplayServer, servers_for
 
 
 @dataclass(frozen=True)
@@ -56,10 +47,9 @@ class Setting:
 
 @dataclass(frozen=True)
 class ReplayCell:
-    """A cell of a tier's matrix: ``build`` makes its servers' engines under
-    a setting and a KDA checkpoint alignment (one of ``kda_checkpoints``);
-    ``known`` is the tier's known failures of its workloads, by workload,
-    and ``plans`` the (turns, resend) its matrix gives a workload case."""
+    """``build`` makes the engines under a setting and a KDA checkpoint alignment
+    (one of ``kda_checkpoints``); ``known`` is the tier's known failures by
+    workload, and ``plans`` the (turns, resend) its matrix gives a workload case."""
 
     cell_id: str
     tier: str
@@ -73,10 +63,6 @@ class ReplayCell:
     known: Mapping[str, harness.Known] = field(default_factory=dict)
     plans: Mapping[str, tuple[int, bool]] = field(default_factory=dict)
 
-    @property
-    def pd(self) -> bool:
-        return self.deployment.prefill is not None
-
     def engines(
         self, setting: Setting | None = None, kda: int | None = None
     ) -> list[Engine]:
@@ -89,10 +75,9 @@ class ReplayCell:
         return units, servers_for(engines, self.deployment, self.token_ids)
 
     def scheduling_engines(self, setting: Setting, kda: int | None) -> list[Engine]:
-        """:meth:`engines`, skipping where vLLM turns asynchronous scheduling
-        down in-process: VllmConfig's validation for a drafter
-        (config/vllm.py), or the CPU platform (platforms/cpu.py
-        CpuPlatform.check_and_update_config)."""
+        """:meth:`engines`, skipping where vLLM turns asynchronous scheduling down
+        in-process: VllmConfig's validation for a drafter (config/vllm.py), or the
+        CPU platform (platforms/cpu.py CpuPlatform.check_and_update_config)."""
         try:
             engines = self.engines(setting, kda)
         except ValueError as e:
@@ -118,14 +103,15 @@ class ReplayCell:
         judge it (harness.known)."""
         if not problems:
             return
-        text = f"{self.cell_id}-{workload.name}: {workload.holds} "
-        text += f"(vLLM: {workload.rule}):\n" + "\n".join(problems)
+        case_id = f"{self.cell_id}-{workload.name}"
+        text = f"{case_id}: {workload.holds} (vLLM: {workload.rule}):\n"
+        text += "\n".join(problems)
         known = self.known.get(workload.name)
         if known is not None:
-            judgment = judge_failure(
-                f"{self.cell_id}-{workload.name}", known, text, problems=problems
+            judgment = harness.known.judge_failure(
+                case_id, known, text, problems=problems
             )
-            if judgment.verdict != STALE:
+            if judgment.verdict != harness.known.STALE:
                 judgment.enact()
             # Not an AssertionError: replay() would judge it again.
             text = judgment.message
@@ -142,7 +128,7 @@ class ReplayCell:
             self.fail(workload, [f"{type(e).__name__}: {e}"], "")
         known = self.known.get(workload.name)
         if known is not None:
-            judge_pass(f"{self.cell_id}-{workload.name}", known).enact()
+            harness.known.judge_pass(f"{self.cell_id}-{workload.name}", known).enact()
 
     def play_conversations(
         self,
@@ -153,7 +139,7 @@ class ReplayCell:
         concurrent: bool = False,
     ) -> tuple[harness.Units, list[ReplayServer], list[TurnResult]]:
         """``conversations`` of the units the engines resolve, played through
-        the cell's replayed servers."""
+        the cell's servers."""
         units, servers = self.servers_of(engines)
         results = play_conversations(
             servers, self.deployment, conversations(units), self.token_ids, concurrent
@@ -172,10 +158,9 @@ BuildFor = Callable[
 
 @dataclass(frozen=True)
 class ReplayTier:
-    """A binding's cells as the scheduler tier replays them: its matrix, how a
-    cell's engines are built, the KDA checkpoint alignments each cell replays
-    and its token ids (None: the binding's). Its known failures are its
-    matrix's (``Matrix.replayed_known``)."""
+    """A binding's cells as the scheduler tier replays them: how a cell's engines
+    are built, the KDA checkpoint alignments each replays and its token ids (None:
+    the binding's). Its known failures are ``Matrix.replayed_known``'s."""
 
     name: str
     matrix: harness.Matrix
@@ -194,7 +179,6 @@ class ReplayTier:
         }
 
     def params(self, replay: Replay) -> list:
-        """One pytest param per cell that ``replay`` applies to."""
         return [
             pytest.param(cell_id, id=cell_id)
             for cell_id, (name, mode) in self.cells().items()
@@ -209,11 +193,12 @@ class ReplayTier:
         name, mode_name = self.cells()[cell_id]
         deployment = self.matrix.deployments[name]
         mode = self.matrix.modes[mode_name]
-        known = self.matrix.replayed_known(f"{name}-{mode_name}")
+        cell = f"{name}-{mode_name}"
+        known = self.matrix.replayed_known(cell)
         plans = {
             case.workload: (case.num_turns, case.resend)
             for case in self.matrix.cases.values()
-            if case.cell == f"{name}-{mode_name}" and case.workload is not None
+            if case.cell == cell and case.workload is not None
         }
         token_ids = self.token_ids
         if token_ids is None:

@@ -3,6 +3,7 @@
 """The engine of ``vllm serve`` on this (CPU) platform, from exactly the
 arguments and environment a server is started with (:func:`cpu_engine`)."""
 
+import functools
 from collections.abc import Mapping, Sequence
 
 from tests.models.hybrid_prefix_cache.scheduler.engine import (
@@ -22,6 +23,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec, MambaSpec
 from vllm.v1.worker.utils import customize_attention_spec
 
 
+@functools.cache
 def _serve_parser():
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -31,24 +33,18 @@ def _serve_parser():
     return ServeSubcommand().subparser_init(subparsers)
 
 
-_PARSER = None
-
-
 def engine_args(model: str, args: Sequence[str]) -> EngineArgs:
     """``args`` parsed by the installed ``vllm serve``, as engine arguments."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    global _PARSER
-    if _PARSER is None:
-        _PARSER = _serve_parser()
-    namespace = _PARSER.parse_args(["--model", model, *args])
+    namespace = _serve_parser().parse_args(["--model", model, *args])
     return AsyncEngineArgs.from_cli_args(namespace)
 
 
 class StandInAttention(AttentionLayerBase):
-    """An attention layer as the block-size hook and spec collection see it:
-    its backend (as ``Attention.__init__`` selects it) and a full-attention
-    spec read after the hook, as ``Attention.get_kv_cache_spec`` does."""
+    """An attention layer as the block-size hook and spec collection see it: its
+    backend (``Attention.__init__``), a spec read after the hook
+    (``Attention.get_kv_cache_spec``)."""
 
     def __init__(self, backend: type[AttentionBackend]) -> None:
         self.backend = backend
@@ -69,10 +65,9 @@ class StandInAttention(AttentionLayerBase):
 def cpu_engine(
     model: str, args: Sequence[str], env: Mapping[str, str] | None = None
 ) -> Engine:
-    """The scheduler-side objects of ``vllm serve model *args`` on CPU. Block
-    sizes come from the hook the executor calls after loading
-    (platforms/cpu.py CpuPlatform.update_block_size_for_backend); layer specs
-    as GPUModelRunner.get_kv_cache_spec collects them."""
+    """Block sizes from the hook the executor calls after loading (platforms/cpu.py
+    CpuPlatform.update_block_size_for_backend), layer specs as
+    GPUModelRunner.get_kv_cache_spec collects them."""
     with environment(env or {}):
         vllm_config = build_config(engine_args(model, args))
         model_config = vllm_config.model_config
@@ -110,15 +105,11 @@ def cpu_engine(
             layer_specs: dict[str, KVCacheSpec] = dict.fromkeys(names, mamba)
             for name, layer in attention.items():
                 spec = layer.get_kv_cache_spec(vllm_config)
-                backend_cls = layer.get_attn_backend()
-                layer_specs[name] = customize_attention_spec(backend_cls, spec)
+                layer_specs[name] = customize_attention_spec(backend, spec)
         layouts = [layout.name for layout in get_supported_kv_cache_layouts([backend])]
         memory = cache_config.kv_cache_memory_bytes
         assert memory is not None, "the CPU tier sizes its KV cache explicitly"
+        async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         return finish_engine(
-            vllm_config,
-            layer_specs,
-            memory,
-            layouts,
-            async_scheduling=bool(vllm_config.scheduler_config.async_scheduling),
+            vllm_config, layer_specs, memory, layouts, async_scheduling
         )

@@ -7,6 +7,7 @@ import contextlib
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from unittest.mock import patch
 
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
@@ -28,65 +29,29 @@ try:
 except ImportError:
     kv_cache_planning = None  # vLLM 0.32: v1/core/kv_cache_utils.py alone
 
-
-def get_kv_cache_configs(
-    vllm_config: VllmConfig,
-    kv_cache_specs: list[dict[str, KVCacheSpec]],
-    available_memory: list[int],
-) -> list[KVCacheConfig]:
-    """One ``KVCacheConfig`` per worker, as v1/engine/core.py
-    EngineCore._initialize_kv_caches makes them. Not tests/v1/core/utils.py's
-    helper: the checkout's tests/ may be another release."""
-    if kv_cache_planning is None:
-        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs as configs
-
-        return configs(vllm_config, kv_cache_specs, available_memory)
-    groups = kv_cache_planning.get_global_kv_cache_groups(vllm_config, kv_cache_specs)
-    vllm_config.adjust_dcp_kv_cache_interleave_size(groups)
-    return kv_cache_planning.get_kv_cache_configs(
-        vllm_config, kv_cache_specs, available_memory, groups
-    )
-
-
 # None: no config built yet (:func:`build_config`)
 _RUNNER_NEEDS_TRITON: bool | None = None
 
 
-def runner_refusal(error: BaseException) -> bool:
-    """The CPU runner's refusal without Triton (0.34: platforms/cpu.py
-    CpuPlatform.check_and_update_config; 0.33 warned)."""
-    return isinstance(error, RuntimeError) and "requires Triton" in str(error)
-
-
-@contextlib.contextmanager
-def _triton_declared() -> Iterator[None]:
-    """``vllm.triton_utils.HAS_TRITON`` as True for a block."""
-    import vllm.triton_utils as triton_utils
-
-    saved = triton_utils.HAS_TRITON
-    triton_utils.HAS_TRITON = True
-    try:
-        yield
-    finally:
-        triton_utils.HAS_TRITON = saved
-
-
 def build_config(args: EngineArgs) -> VllmConfig:
-    """``args.create_engine_config()``, rebuilt with Triton declared present
-    where the CPU runner refuses without it: nothing here runs a model. The
-    refusal is remembered (:func:`runner_needs_triton`)."""
+    """``args.create_engine_config()``, with Triton declared present where the CPU
+    runner refuses without it (nothing here runs a model); the refusal is kept."""
     global _RUNNER_NEEDS_TRITON
     if not _RUNNER_NEEDS_TRITON:
         try:
             config = args.create_engine_config()
         except Exception as e:
-            if not runner_refusal(e):
+            # The CPU runner's refusal without Triton (0.34: platforms/cpu.py
+            # CpuPlatform.check_and_update_config; 0.33 warned).
+            if not (isinstance(e, RuntimeError) and "requires Triton" in str(e)):
                 raise
             _RUNNER_NEEDS_TRITON = True
         else:
             _RUNNER_NEEDS_TRITON = False
             return config
-    with _triton_declared():
+    import vllm.triton_utils as triton_utils
+
+    with patch.object(triton_utils, "HAS_TRITON", True):
         return args.create_engine_config()
 
 
@@ -105,14 +70,6 @@ class Geometry:
     hit_unit: int
     scheduler_block: int
 
-    @property
-    def labels(self) -> dict[str, str]:
-        """The ``vllm:cache_config_info`` labels the harness reads."""
-        return {
-            "block_size": str(self.attention_block),
-            "mamba_block_size": str(self.mamba_block),
-        }
-
 
 @dataclass
 class Engine:
@@ -130,17 +87,15 @@ class Engine:
     @property
     def geometry(self) -> Geometry:
         cache = self.vllm_config.cache_config
+        mamba_block = cache.mamba_block_size or cache.block_size
         return Geometry(
-            attention_block=cache.block_size,
-            mamba_block=cache.mamba_block_size or cache.block_size,
-            hit_unit=self.hit_unit,
-            scheduler_block=self.scheduler_block,
+            cache.block_size, mamba_block, self.hit_unit, self.scheduler_block
         )
 
     @property
     def block_bytes(self) -> int:
-        """KV cache bytes a block of the pool takes: the CPU worker sizes its
-        pool from --kv-cache-memory-bytes, so blocks x this sizes one."""
+        """The CPU worker sizes its pool from --kv-cache-memory-bytes, so blocks
+        times this sizes one."""
         cache = self.vllm_config.cache_config
         return cache.kv_cache_memory_bytes // self.kv_cache_config.num_blocks
 
@@ -158,7 +113,7 @@ class Engine:
 
 @contextlib.contextmanager
 def environment(env: Mapping[str, str]) -> Iterator[None]:
-    """Set ``env`` for a block, restoring what was there."""
+    """Set ``env`` for a block, restoring only its keys as they were."""
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
     try:
@@ -178,35 +133,37 @@ def finish_engine(
     layouts: list[str],
     async_scheduling: bool,
 ) -> Engine:
-    """``EngineCore._initialize_kv_caches`` on the workers' layer specs: layout,
-    groups, then the scheduler block, hash block and hit unit."""
+    """v1/engine/core.py EngineCore._initialize_kv_caches on the workers' layer specs
+    (not tests/v1/core/utils.py's helper: the checkout's tests/ may be another
+    release): layout, groups, then the scheduler block, hash block and hit unit."""
     cache_config = vllm_config.cache_config
     register_all_kvcache_specs(vllm_config)
     resolve_kv_cache_layout(vllm_config, [layouts], list(layer_specs.values()))
     ranks = vllm_config.parallel_config.world_size
-    kv_cache_configs = get_kv_cache_configs(
-        vllm_config, [layer_specs] * ranks, [memory] * ranks
-    )
-    kv_cache_config = generate_scheduler_kv_cache_config(kv_cache_configs)
+    specs, memories = [layer_specs] * ranks, [memory] * ranks
+    if kv_cache_planning is None:
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
+        configs = get_kv_cache_configs(vllm_config, specs, memories)
+    else:
+        groups = kv_cache_planning.get_global_kv_cache_groups(vllm_config, specs)
+        vllm_config.adjust_dcp_kv_cache_interleave_size(groups)
+        configs = kv_cache_planning.get_kv_cache_configs(
+            vllm_config, specs, memories, groups
+        )
+    kv_cache_config = generate_scheduler_kv_cache_config(configs)
     cache_config.num_gpu_blocks = kv_cache_config.num_blocks
     cache_config.block_size = min(
         group.kv_cache_spec.block_size
         for group in kv_cache_config.kv_cache_groups
         if group.kv_cache_spec.prefix_cacheable
     )
-    scheduler_block, hash_block = resolve_kv_cache_block_sizes(
-        kv_cache_config, vllm_config
-    )
+    block, hash_block = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     hit_unit = resolve_cache_hit_alignment_tokens(
-        kv_cache_config, vllm_config, scheduler_block, hash_block
+        kv_cache_config, vllm_config, block, hash_block
     )
     kv_cache_config.hash_block_size = hash_block
     kv_cache_config.cache_hit_alignment_tokens = hit_unit
     return Engine(
-        vllm_config,
-        kv_cache_config,
-        scheduler_block,
-        hash_block,
-        hit_unit,
-        async_scheduling,
+        vllm_config, kv_cache_config, block, hash_block, hit_unit, async_scheduling
     )

@@ -8,15 +8,22 @@ from collections.abc import Sequence
 from tests.models.hybrid_prefix_cache import harness
 from tests.models.hybrid_prefix_cache.harness.problems import Problem
 from tests.models.hybrid_prefix_cache.scheduler.engine import Engine
-from tests.models.hybrid_prefix_cache.scheduler.play import TurnResult, units_of
+from tests.models.hybrid_prefix_cache.scheduler.play import TurnResult
 from tests.models.hybrid_prefix_cache.scheduler.servers import ReplayServer
 
 
 def check_geometry(engine: Engine, mode: harness.Mode) -> harness.Units:
     """The harness's reading of the server's cache_config_info labels must
     give the hit unit the engine aligns hits to."""
-    units = units_of(engine, mode)
     geometry = engine.geometry
+    labels = {
+        "block_size": str(geometry.attention_block),
+        "mamba_block_size": str(geometry.mamba_block),
+    }
+    if mode.prefix_match_unit is not None:
+        cache = engine.vllm_config.cache_config
+        labels["prefix_match_unit"] = str(cache.prefix_match_unit)
+    units = harness.Units.from_cache_config(labels, mode)
     assert units.hit == engine.hit_unit, (
         f"the harness reads hit unit {units.hit} from block_size="
         f"{geometry.attention_block}, mamba_block_size={geometry.mamba_block}, "
@@ -26,13 +33,15 @@ def check_geometry(engine: Engine, mode: harness.Mode) -> harness.Units:
     return units
 
 
-def turn_problems(
+def case_problems(
+    servers: Sequence[ReplayServer],
     results: Sequence[TurnResult],
     units: harness.Units,
     mode: harness.Mode,
     deployment: harness.Deployment,
 ) -> tuple[list[str], list[str]]:
-    """(the turn table, every way a turn disagrees with the harness)."""
+    """(the turn table, every way the case disagrees with the harness): its turns,
+    each server's counters and the completions the harness routes to it."""
     backoff = deployment.cache_backoff
     rule = mode.drafting(deployment.instances[0])
     rows = [
@@ -40,6 +49,7 @@ def turn_problems(
         f"{'expected':>8} {'bound':>6} {'recompute':>9}"
     ]
     problems = []
+    turns = []
     for result in results:
         turn = result.planned
         expected, bound = harness.rules.expectation(
@@ -54,17 +64,13 @@ def turn_problems(
             f"{'-' if result.recompute_hit is None else result.recompute_hit:>9}"
         )
         if result.hit != expected:
+            why = (
+                f"{name}: vLLM's scheduler hits {result.hit}, the harness expects "
+                f"{expected} (prompt {turn.prompt_len}, previous {turn.prev_len}, "
+                f"hit unit {units.hit}, drafter {rule}, backoff {backoff})"
+            )
             problems.append(
-                Problem(
-                    f"{name}: vLLM's scheduler hits {result.hit}, the harness "
-                    f"expects {expected} (prompt {turn.prompt_len}, previous "
-                    f"{turn.prev_len}, hit unit {units.hit}, drafter {rule}, "
-                    f"backoff {backoff})",
-                    "scheduler-hit",
-                    name,
-                    hit=result.hit,
-                    expected=expected,
-                )
+                Problem(why, "scheduler-hit", name, hit=result.hit, expected=expected)
             )
         prev_seen = max(turn.prev_len - backoff, 0)
         why = harness.rules.impossible_hit(
@@ -76,29 +82,12 @@ def turn_problems(
             problems.append(
                 f"{name}: the recompute under a fresh salt hit {result.recompute_hit}"
             )
-    return rows, problems
-
-
-def case_problems(
-    servers: Sequence[ReplayServer],
-    results: Sequence[TurnResult],
-    units: harness.Units,
-    mode: harness.Mode,
-    deployment: harness.Deployment,
-) -> tuple[list[str], list[str]]:
-    """(the turn table, every way the case disagrees with the harness): its
-    turns (:func:`turn_problems`), each server's counters, and the
-    completions the harness routes to each server."""
-    rows, problems = turn_problems(results, units, mode, deployment)
-    turns = []
-    for result in results:
-        turn = harness.compare.Turn(
-            result.conversation, result.planned.index, result.planned.prompt_len, 0, 0
+        turns.append(
+            harness.compare.Turn(result.conversation, turn.index, turn.prompt_len, 0, 0)
         )
         if result.recompute_hit is not None:
             # Only whether there was one matters to expected_requests.
-            turn.recompute = harness.compare.Sample([], "", [], [], 0, 0)
-        turns.append(turn)
+            turns[-1].recompute = harness.compare.Sample([], "", [], [], 0, 0)
     routes = harness.reconcile.expected_requests(len(servers), turns)
     for server, route in zip(servers, routes):
         problems += server.counter_problems()
@@ -120,9 +109,7 @@ def check_case(
 ) -> None:
     rows, problems = case_problems(servers, results, units, mode, deployment)
     table = "\n".join(rows)
-    counters = "\n".join(
-        f"{server.name}: {server.ledger} moved {server.moved}" for server in servers
-    )
+    counters = "\n".join(f"{s.name}: {s.ledger} moved {s.moved}" for s in servers)
     print(f"\n== {case_id}: hit unit {units.hit}, block {units.block}\n{table}")
     assert not problems, (
         f"{case_id}:\n" + "\n".join(problems) + f"\n{table}\n{counters}"
@@ -146,29 +133,24 @@ def check_drafter(
     mode: harness.Mode,
     what: str,
 ) -> None:
-    """Each engine's scheduler does what the harness reads of its drafter
-    (harness.rules.drafting): Scheduler.__init__ sets use_eagle_block_drop
-    (off where it hashes lookahead tokens) and hands it to the
-    KVCacheManager, whose lookups drop the unit, and from 0.33
-    num_hash_lookahead_tokens."""
+    """Each engine's scheduler does what harness.rules.drafting reads of its drafter:
+    Scheduler.__init__ sets use_eagle_block_drop (off where it hashes lookahead
+    tokens) for the KVCacheManager, and from 0.33 num_hash_lookahead_tokens."""
     for engine, instance in zip(engines, deployment.instances):
         rule = mode.drafting(instance)
-        vllm_scheduler = engine.scheduler()
+        sched = engine.scheduler()
         connector = (instance.kv_config or {}).get("kv_connector")
         where = f"{what} (connector {connector})"
         # Before 0.32 (0.26) the scheduler's flag was use_eagle.
-        drops = getattr(
-            vllm_scheduler, "use_eagle_block_drop", vllm_scheduler.use_eagle
-        )
+        drops = getattr(sched, "use_eagle_block_drop", sched.use_eagle)
         assert drops == rule.drops_unit, (
             f"{where}: the harness reads {rule}, vLLM's scheduler drops {drops}"
         )
-        assert vllm_scheduler.kv_cache_manager.use_eagle == rule.drops_unit, (
+        assert sched.kv_cache_manager.use_eagle == rule.drops_unit, (
             f"{where}: the KV cache manager's lookups drop "
-            f"{vllm_scheduler.kv_cache_manager.use_eagle}, the harness reads "
-            f"{rule}"
+            f"{sched.kv_cache_manager.use_eagle}, the harness reads {rule}"
         )
-        hashed = getattr(vllm_scheduler, "num_hash_lookahead_tokens", 0)
+        hashed = getattr(sched, "num_hash_lookahead_tokens", 0)
         assert hashed == rule.lookahead, (
             f"{where}: vLLM's scheduler hashes {hashed} lookahead tokens, "
             f"the harness reads {rule}"

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Requests preempted while they decode and resumed, in replayed servers:
-what vLLM's scheduler did with them (:func:`play_preemption`), and the pool
-and fewest requests where it resumes one (:func:`sized_preemption`)."""
+"""Requests preempted while they decode and resumed, in replayed servers
+(:func:`play_preemption`), and the pool and fewest requests where vLLM's
+scheduler resumes one (:func:`sized_preemption`)."""
 
 import functools
 import random
@@ -23,10 +23,9 @@ POOL_REFUSALS = ("To serve at least one request", "No available memory for the c
 
 @dataclass(frozen=True)
 class Preemption:
-    """What the replay saw: the preempted request's outputs when it was
-    first preempted while decoding, the chunks of its resumed prefills and
-    the first one's end, and each follow-up's hit and recompute hit (the
-    resumed request's first)."""
+    """The preempted request's outputs when first preempted while decoding, the
+    chunks of its resumed prefills and the first one's end, and each follow-up's
+    hit and recompute hit (the resumed request's first)."""
 
     requests: int
     resumed: int
@@ -43,58 +42,34 @@ class Preemption:
 
     @property
     def last_checkpoint(self) -> int:
-        """Where vLLM stops the resumed prefill whatever its split: the last
-        block boundary within it (Scheduler._mamba_block_aligned_split's
-        last_cache_position, get_mamba_prefill_checkpoint_position; with no
-        drafter block drop nor lookahead hashes)."""
+        """Where vLLM stops the resumed prefill whatever its split, with no drafter
+        block drop nor lookahead hashes (Scheduler._mamba_block_aligned_split's
+        last_cache_position, get_mamba_prefill_checkpoint_position)."""
         return self.prefill_end // self.block * self.block
 
     def output_cuts(self, prompt_len: int) -> tuple[int, ...]:
-        """The resumed prefill's chunk ends inside its replayed outputs, short
-        of its last checkpoint: where the budget cut it, vLLM #33706's
-        trigger (a split of the prompt alone leaves such an end off a
-        block)."""
+        """The resumed prefill's chunk ends inside its replayed outputs, short of its
+        last checkpoint: where the budget cut it, vLLM #33706's trigger (a split of
+        the prompt alone leaves such an end off a block)."""
         last = self.last_checkpoint
         return tuple(end for end in self.chunk_ends if prompt_len < end < last)
 
 
 @dataclass(frozen=True)
 class Unpreempted:
-    """No decoding request was preempted; at most ``most_running`` requests
-    ran at once, and the engine held at most ``peak_blocks`` blocks of its
-    pool at once (its null block included)."""
+    """No decoding request was preempted; at most ``most_running`` requests ran
+    at once, holding at most ``peak_blocks`` blocks (the null block included)."""
 
     most_running: int
     peak_blocks: int = 0
-
-
-def _watch(log: list) -> Callable[[Scheduler, SchedulerOutput], None]:
-    """Log each step's running requests and blocks held, preemptions and
-    chunks as it is scheduled: allocation happens in Scheduler.schedule, so
-    what it holds then is the step's peak."""
-
-    def watch(scheduler: Scheduler, output: SchedulerOutput) -> None:
-        pool = scheduler.kv_cache_manager.block_pool
-        held = pool.num_gpu_blocks - pool.get_num_free_blocks()
-        log.append(("running", len(scheduler.running), held))
-        for request_id in output.preempted_req_ids or ():
-            request = scheduler.requests[request_id]
-            log.append(("preempted", request_id, request.num_output_tokens, 0))
-        for request_id, count in output.num_scheduled_tokens.items():
-            request = scheduler.requests[request_id]
-            end = request.num_computed_tokens
-            log.append(("chunk", request_id, end - count, end, request.num_tokens))
-
-    return watch
 
 
 @functools.lru_cache(maxsize=MAX_REQUESTS)
 def _prompts(
     seed: str, token_ids: tuple[int, int], prompt_len: int, requests: int
 ) -> tuple[tuple[tuple[int, ...], ...], tuple]:
-    """The requests' prompts drawn from ``seed`` as a real server's play draws
-    them, and the generator's state after: the sizing replays them hundreds
-    of times, and drawing them took most of its time."""
+    """The prompts drawn from ``seed`` as a real server's play draws them, and the
+    generator's state after; cached, as the sizing replays them hundreds of times."""
     rng = random.Random(seed)
     prompts = [random_tokens(rng, token_ids, prompt_len) for _ in range(requests)]
     return tuple(map(tuple, prompts)), rng.getstate()
@@ -109,15 +84,28 @@ def play_preemption(
     token_ids: tuple[int, int],
     reverse: bool = False,
 ) -> Preemption | Unpreempted:
-    """``requests`` requests at once on the first engine (pads between them
-    under DP), request i at priority i, sent in order or (``reverse``) last
-    first; then the follow-ups of the last one preempted while decoding and
-    of the first, with recomputes."""
+    """``requests`` requests at once on the first engine (pads between them under
+    DP), request i at priority i, in order or (``reverse``) last first; then the
+    follow-ups of the last one preempted while decoding and of the first."""
     prompts, state = _prompts(seed, token_ids, prompt_len, requests)
     server, rng = servers[0], random.Random()
     rng.setstate(state)
     loop, log = server.loops[0], []
-    watch = _watch(log)
+
+    def watch(scheduler: Scheduler, output: SchedulerOutput) -> None:
+        # Each step's running requests and blocks held (allocation happens in
+        # Scheduler.schedule: the step's peak), preemptions and chunks.
+        pool = scheduler.kv_cache_manager.block_pool
+        held = pool.num_gpu_blocks - pool.get_num_free_blocks()
+        log.append(("running", len(scheduler.running), held))
+        for request_id in output.preempted_req_ids or ():
+            request = scheduler.requests[request_id]
+            log.append(("preempted", request_id, request.num_output_tokens, 0))
+        for request_id, count in output.num_scheduled_tokens.items():
+            request = scheduler.requests[request_id]
+            end = request.num_computed_tokens
+            log.append(("chunk", request_id, end - count, end, request.num_tokens))
+
     loop.watchers.append(watch)
     filler = random_tokens(random.Random(f"{seed}-pad"), token_ids, 8)
     sent, pads = {}, []
@@ -143,30 +131,20 @@ def play_preemption(
     # mid-prefill included.
     request_id = decoding[-1][1]
     first = next(e for e in decoding if e[1] == request_id)
-    after = log[log.index(first) :]
-    chunks = [(e[2], e[3]) for e in after if e[:2] == ("chunk", request_id)]
-    prefill_end = next(e[4] for e in after if e[:2] == ("chunk", request_id)) - 1
-    chunks = [(s, e) for s, e in chunks if s < prefill_end]
+    own = [e for e in log[log.index(first) :] if e[:2] == ("chunk", request_id)]
+    end = own[0][4] - 1  # its first resumed prefill's end
+    chunks = tuple((e[2], e[3]) for e in own if e[2] < end)
     index = next(i for i, c in sent.items() if c.request_id == request_id)
-    hits, recomputes = [], []
+    follow_ups = []
     for turn, done in enumerate((index, 0 if index else 1)):
         tail = random_tokens(rng, token_ids, FIRST_PROMPT_TAIL)
         prompt = [*sent[done].prompt, *sent[done].token_ids, *tail]
-        hit = server.complete(prompt, f"{seed}-{done}")
-        recompute = server.complete(prompt, f"recompute-{seed}-{turn}")
-        hits.append(hit.cached_tokens or 0)
-        recomputes.append(recompute.cached_tokens or 0)
+        hit = server.complete(prompt, f"{seed}-{done}").cached_tokens or 0
+        recompute = server.complete(prompt, f"recompute-{seed}-{turn}").cached_tokens
+        follow_ups.append((hit, recompute or 0))
+    hits, recomputes = zip(*follow_ups)
     block = loop.scheduler.cache_config.block_size
-    return Preemption(
-        requests,
-        index,
-        first[2],
-        tuple(chunks),
-        prefill_end,
-        block,
-        tuple(hits),
-        tuple(recomputes),
-    )
+    return Preemption(requests, index, first[2], chunks, end, block, hits, recomputes)
 
 
 def pool_blocks(servers: Sequence[ReplayServer]) -> int:
@@ -175,9 +153,8 @@ def pool_blocks(servers: Sequence[ReplayServer]) -> int:
 
 
 class _Pools:
-    """Pools by the size ``build`` takes (a size need not count blocks: a
-    stated engine splits its bytes over a group's layers); None where vLLM
-    refuses the pool."""
+    """Pools by the size ``build`` takes (not always blocks: a stated engine splits
+    its bytes over a group's layers); None where vLLM refuses the pool."""
 
     def __init__(self, build: Callable, blocks_of: Callable) -> None:
         self.build, self.blocks_of = build, blocks_of
@@ -197,9 +174,6 @@ class _Pools:
                 self.blocks[size] = self.blocks_of(servers)
                 self.fresh[size] = servers
         return self.blocks[size]
-
-    def servers(self, size: int) -> Sequence:
-        return self.fresh.pop(size, None) or self.build(size)
 
     def size_of(self, blocks: int) -> int | None:
         """The smallest size whose pool has ``blocks`` blocks, or None where
@@ -229,19 +203,16 @@ def sized_preemption(
     blocks_of: Callable[[Sequence[ReplayServer]], int] = pool_blocks,
 ) -> tuple[int, Sequence[ReplayServer], Preemption | None]:
     """For the fewest requests at once (from 2), the largest pool where vLLM
-    preempts a decoding request and the result ``tested`` takes; else the
-    first whose follow-up hits, or the first that preempted one at all.
+    preempts a decoding request and the result ``tested`` takes; else the first
+    whose follow-up hits, or the first that preempted one at all.
 
-    ``build(None)`` is a pool that never preempts: the run of ``requests``
-    there holds at most some number of blocks at once, its peak. A pool of
-    one block fewer runs alike until that step, whose allocation fails
-    (KVCacheManager.allocate_slots), so Scheduler.schedule preempts the
-    running request of the largest (priority, arrival): the last preemption,
-    after the most outputs. Smaller pools are tried one block at a time,
-    down to the first that preempts nothing after one did, or runs fewer at
-    once (a connector that holds blocks for its stores moves the peak).
-    Where the engine ran fewer at once than were sent even on the large
-    pool, more requests are not tried."""
+    ``build(None)`` never preempts; at its run's peak of blocks held, one block
+    fewer fails that step's allocation (KVCacheManager.allocate_slots), so
+    Scheduler.schedule preempts the running request of the largest (priority,
+    arrival): the last preemption, after the most outputs. Smaller pools follow
+    one block at a time, down to the first that preempts nothing after one did or
+    runs fewer at once (a connector holding blocks for its stores moves the peak).
+    Where even the large pool ran fewer at once, more requests are not tried."""
     found: tuple[int, Sequence[ReplayServer], Preemption | None] = (0, (), None)
     pools = _Pools(build, blocks_of)
     for requests in range(2, MAX_REQUESTS + 1):
@@ -254,7 +225,7 @@ def sized_preemption(
             break
         blocks, preempted = free.peak_blocks - 1, False
         while (size := pools.size_of(blocks)) is not None:
-            servers = pools.servers(size)
+            servers = pools.fresh.pop(size, None) or build(size)
             replayed = play(servers, requests)
             if isinstance(replayed, Unpreempted):
                 if preempted or replayed.most_running < requests:
@@ -263,8 +234,7 @@ def sized_preemption(
                 if tested(replayed):
                     return size, servers, replayed
                 preempted = True
-                better = found[2] is None or replayed.hits[0] and not found[2].hits[0]
-                if better:
+                if found[2] is None or replayed.hits[0] and not found[2].hits[0]:
                     found = (size, servers, replayed)
             blocks -= 1
     return found

@@ -1,18 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Replayed servers: an engine core's loop (:class:`EngineLoop`), one
-``vllm serve`` instance (:class:`ReplayServer`) with its usage ledger and
-counter deltas, and a deployment's servers (:func:`servers_for`)."""
+"""Replayed servers: an engine core's loop (:class:`EngineLoop`), one ``vllm serve``
+instance (:class:`ReplayServer`) with its usage ledger and counter deltas, and a
+deployment's servers (:func:`servers_for`)."""
 
 import json
 from collections.abc import Callable, Mapping, Sequence
 
 from tests.models.hybrid_prefix_cache import harness
+from tests.models.hybrid_prefix_cache.harness import reconcile
 from tests.models.hybrid_prefix_cache.scheduler.engine import Engine
-from tests.models.hybrid_prefix_cache.scheduler.workers import (
-    Completion,
-    StandInWorker,
-)
+from tests.models.hybrid_prefix_cache.scheduler.workers import Completion, StandInWorker
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -24,17 +22,16 @@ from vllm.v1.request import Request
 # longest prompt here in chunks of the smallest budget, and its decode.
 STEP_LIMIT = 10_000
 COUNTERS = (
-    harness.reconcile.PREFIX_QUERIES,
-    harness.reconcile.PREFIX_HITS,
-    harness.reconcile.EXTERNAL_QUERIES,
-    harness.reconcile.EXTERNAL_HITS,
+    reconcile.PREFIX_QUERIES,
+    reconcile.PREFIX_HITS,
+    reconcile.EXTERNAL_QUERIES,
+    reconcile.EXTERNAL_HITS,
 )
 
 
 class EngineLoop:
-    """One engine core: its scheduler, stand-in workers and busy loop, run
-    as ``EngineCore.step`` (one batch in flight) or
-    ``EngineCore.step_with_batch_queue`` (asynchronous scheduling) runs it."""
+    """One engine core's scheduler, stand-in workers and busy loop, run as
+    ``EngineCore.step`` or (asynchronous scheduling) ``step_with_batch_queue``."""
 
     def __init__(self, engine: Engine, token_ids: tuple[int, int]) -> None:
         self.scheduler = engine.scheduler()
@@ -60,9 +57,8 @@ class EngineLoop:
             output = self._schedule()
             result = self.worker.execute(output)
             record(scheduler.update_from_output(output, result))
-            if output.total_num_scheduled_tokens > 0 and (
-                drafts := self.worker.drafts(output)
-            ):
+            drafts = self.worker.drafts(output)
+            if output.total_num_scheduled_tokens > 0 and drafts:
                 scheduler.update_draft_token_ids(drafts)
             return True
         if scheduler.has_requests():
@@ -102,14 +98,9 @@ class ReplayServer:
         )
         self.completions: dict[str, Completion] = {}
         self.routed: dict[str, EngineLoop] = {}
-        self.ledger = harness.reconcile.Ledger()
+        self.ledger = reconcile.Ledger()
         self.moved: dict[str, float | None] = dict.fromkeys(COUNTERS, 0.0)
         self.requests = 0
-
-    @property
-    def engine_id(self) -> str | None:
-        config = self.engine.vllm_config.kv_transfer_config
-        return None if config is None else config.engine_id
 
     @property
     def scheduler(self) -> Scheduler:
@@ -117,22 +108,18 @@ class ReplayServer:
         return self.loops[0].scheduler
 
     def _record(self, outputs) -> None:
-        """What the API server takes from an engine step's outputs: the
-        counters' increments (``PrometheusStatLogger.record``) and each
-        completion's tokens, usage and transfer parameters."""
+        """What the API server takes from a step's outputs: the counters' increments
+        (``PrometheusStatLogger.record``), each completion's tokens, usage and
+        transfer parameters."""
         for eco in outputs.values():
             stats = eco.scheduler_stats
             if stats is not None:
-                self.moved[harness.reconcile.PREFIX_QUERIES] += (
-                    stats.prefix_cache_stats.queries
-                )
-                self.moved[harness.reconcile.PREFIX_HITS] += (
-                    stats.prefix_cache_stats.hits
-                )
+                self.moved[reconcile.PREFIX_QUERIES] += stats.prefix_cache_stats.queries
+                self.moved[reconcile.PREFIX_HITS] += stats.prefix_cache_stats.hits
                 connector = stats.connector_prefix_cache_stats
                 if connector is not None:
-                    self.moved[harness.reconcile.EXTERNAL_QUERIES] += connector.queries
-                    self.moved[harness.reconcile.EXTERNAL_HITS] += connector.hits
+                    self.moved[reconcile.EXTERNAL_QUERIES] += connector.queries
+                    self.moved[reconcile.EXTERNAL_HITS] += connector.hits
             for out in eco.outputs:
                 completion = self.completions.get(out.request_id)
                 if completion is None:
@@ -145,10 +132,8 @@ class ReplayServer:
                     completion.kv_transfer_params = out.kv_transfer_params
 
     def step(self) -> bool:
-        stepped = False
-        for loop in self.loops:
-            stepped = loop.step(self._record) or stepped
-        return stepped
+        # A list, not a generator: every engine steps.
+        return any([loop.step(self._record) for loop in self.loops])
 
     def drain(self, limit: int = 100_000) -> None:
         """Step until every engine is idle (transfers included)."""
@@ -193,8 +178,7 @@ class ReplayServer:
         params: SamplingParams,
         priority: int = 0,
     ) -> Request:
-        """A request of ``prompt`` under ``salt``, hashed as this server's
-        engine core hashes it."""
+        """Hashed as this server's engine core hashes it."""
         return Request(
             request_id=request_id,
             prompt_token_ids=list(prompt),
@@ -215,7 +199,7 @@ class ReplayServer:
         if params.get("do_remote_prefill") and isinstance(remote, int):
             completion.cached_tokens = remote
         assert completion.cached_tokens is not None, completion.request_id
-        self.ledger += harness.reconcile.ledger_entry(
+        self.ledger += reconcile.ledger_entry(
             completion.prompt_tokens, completion.cached_tokens, sent
         )
 
@@ -232,29 +216,24 @@ class ReplayServer:
         return completion
 
     def finish(self, completion: Completion) -> None:
-        """Step until ``completion`` finished (STEP_LIMIT steps at most)."""
+        """Step until ``completion`` finished, or fail saying what each engine holds."""
         for _ in range(STEP_LIMIT):
             if completion.finished:
                 return
             assert self.step(), f"{completion.request_id} stalled"
-        raise AssertionError(self.stalled(completion))
-
-    def stalled(self, completion: Completion) -> str:
-        """Why ``completion`` did not finish within STEP_LIMIT steps: what
-        each engine holds."""
-        parts = []
+        held = []
         for loop in self.loops:
             scheduler = loop.scheduler
             pool = scheduler.kv_cache_manager.block_pool
-            parts.append(
+            held.append(
                 f"{len(scheduler.running)} running, {len(scheduler.waiting)} "
                 f"waiting, {pool.get_num_free_blocks()} of {pool.num_gpu_blocks} "
                 f"blocks free"
             )
-        return (
+        raise AssertionError(
             f"{self.name}: {completion.request_id} ({completion.prompt_tokens} "
             f"prompt tokens) did not finish in {STEP_LIMIT} engine steps: "
-            + "; ".join(parts)
+            + "; ".join(held)
         )
 
     def reset_prefix_cache(self) -> None:
@@ -267,8 +246,7 @@ class ReplayServer:
             )
 
     def counter_problems(self) -> list[str]:
-        """:func:`harness.reconcile.counter_problems` for this server."""
-        return harness.reconcile.counter_problems(
+        return reconcile.counter_problems(
             self.name,
             self.moved,
             self.ledger,
@@ -292,11 +270,11 @@ def servers_for(
         ReplayServer(name, engine, instance, token_ids)
         for name, engine, instance in zip(names, engines, deployment.instances)
     ]
-    peers = {
-        server.engine_id: server.loops[0].worker
-        for server in servers
-        if server.engine_id is not None and len(server.loops) == 1
-    }
+    peers: dict[str, StandInWorker] = {}
+    for server in servers:
+        config = server.engine.vllm_config.kv_transfer_config
+        if config is not None and len(server.loops) == 1:
+            peers[config.engine_id] = server.loops[0].worker
     for server in servers:
         for loop in server.loops:
             loop.worker.peers = peers

@@ -20,8 +20,7 @@ from vllm.v1.kv_cache_interface import KVCacheSpec, MambaSpec, MLAAttentionSpec
 
 @dataclass(frozen=True)
 class StatedGeometry:
-    """A cache geometry where the model cannot be loaded. ``block`` is also the
-    Mamba block in align mode (Platform._align_hybrid_block_size);
+    """``block``: also the align-mode Mamba block (Platform._align_hybrid_block_size);
     ``kda_checkpoint``: kda_prefill_checkpoint_alignment (None: Triton)."""
 
     block: int
@@ -47,13 +46,12 @@ def stated_engine(
     num_blocks: int,
     scheduling_policy: str = "fcfs",
 ) -> Engine:
-    """Scheduler-side objects for ``instance`` in ``mode`` at a stated
-    ``geometry``; ``model`` is any local hybrid checkpoint. A drafter without
-    a checkpoint is validated as n-gram, then given the mode's method: the
-    scheduler reads only the method, block-drop flag and token count."""
+    """``model`` is any local hybrid checkpoint. A drafter without a checkpoint is
+    validated as n-gram, then given the mode's method: the scheduler reads only
+    the method, block-drop flag and token count."""
     spec = dict(mode.spec) if mode.spec is not None else None
     stand_in_spec = None
-    if spec is not None and spec["method"] not in ("ngram",):
+    if spec is not None and spec["method"] != "ngram":
         stand_in_spec = {
             "method": "ngram",
             "num_speculative_tokens": spec["num_speculative_tokens"],
@@ -86,24 +84,21 @@ def stated_engine(
     )
     vllm_config = build_config(args)
     if stand_in_spec is not None:
-        speculative = vllm_config.speculative_config
-        assert speculative is not None
-        speculative.method = spec["method"]
-        speculative.disable_eagle_block_drop = spec.get(
-            "disable_eagle_block_drop", False
-        )
-        speculative.draft_model_config = SimpleNamespace(
+        drafting = vllm_config.speculative_config
+        assert drafting is not None
+        drafting.method = spec["method"]
+        drafting.disable_eagle_block_drop = spec.get("disable_eagle_block_drop", False)
+        drafting.draft_model_config = SimpleNamespace(
             hf_config=SimpleNamespace(), model=spec.get("model", "")
         )
         # SpeculativeConfig.max_num_new_slots_for_drafting: K - 1 extra slots
-        speculative.parallel_drafting = spec["method"] == "dspark"
+        drafting.parallel_drafting = spec["method"] == "dspark"
     cache_config = vllm_config.cache_config
     if caching:
         cache_config.mamba_cache_mode = "align"
         cache_config.mamba_block_size = geometry.block
     vllm_config.scheduler_config.async_scheduling = async_scheduling
     dtype = torch.bfloat16
-    num_spec = vllm_config.num_speculative_tokens
 
     def mla(drafter: bool) -> MLAAttentionSpec:
         return MLAAttentionSpec(
@@ -121,7 +116,7 @@ def stated_engine(
         block_size=geometry.block if caching else max_model_len,
         page_size_padded=page,
         mamba_cache_mode=cache_config.mamba_cache_mode,
-        num_speculative_blocks=num_spec,
+        num_speculative_blocks=vllm_config.num_speculative_tokens,
         num_prefill_checkpoint_blocks=int(geometry.kda_checkpoint is not None),
         prefill_checkpoint_alignment=geometry.kda_checkpoint,
     )
@@ -132,11 +127,6 @@ def stated_engine(
     if spec is not None and spec["method"] == "dspark":
         # DSpark's own MLA layer, after the target's
         layer_specs[f"model.layers.{len(STATED_LAYERS)}"] = mla(True)
-    engine = finish_engine(
-        vllm_config,
-        layer_specs,
-        memory=page * num_blocks,
-        layouts=["LBNHC"],
-        async_scheduling=async_scheduling,
+    return finish_engine(
+        vllm_config, layer_specs, page * num_blocks, ["LBNHC"], async_scheduling
     )
-    return engine

@@ -40,17 +40,12 @@ class Completion:
 
 
 class StandInWorker:
-    """The workers of one server, as far as its scheduler can tell.
-
-    Every sampled token is a deterministic function of the sequence so far
-    (a hit and its recompute generate alike, as greedy decoding does), every
-    draft is rejected (each decode step adds exactly one token, as without a
-    drafter), and every KV transfer a connector's metadata asks for completes
-    within the step that asked: NIXL reads (the reading decoder reports the
-    request received, and the prefiller that served it reports it sent in
-    its next step), CPU offload loads and stores (a store is acknowledged by
-    every rank, as ``SimpleCPUOffloadWorkerMetadata`` aggregates them).
-    """
+    """A server's workers as its scheduler sees them: each token a function of the
+    sequence so far (a hit and its recompute generate alike, as greedy decoding
+    does), every draft rejected (one token a decode step), every KV transfer done
+    in the step that asked: NIXL reads (the decoder reports it received, the
+    prefiller it sent in its next step), CPU offload loads and stores (a store
+    acknowledged by every rank, as ``SimpleCPUOffloadWorkerMetadata`` aggregates)."""
 
     def __init__(
         self, scheduler: Scheduler, token_ids: tuple[int, int], world_size: int
@@ -70,10 +65,8 @@ class StandInWorker:
 
     def execute(self, output) -> ModelRunnerOutput:
         req_ids = list(output.num_scheduled_tokens)
-        sampled = []
-        for req_id in req_ids:
-            request = self.scheduler.requests[req_id]
-            sampled.append([] if request.is_prefill_chunk else [self.token(request)])
+        requests = [self.scheduler.requests[req_id] for req_id in req_ids]
+        sampled = [[] if r.is_prefill_chunk else [self.token(r)] for r in requests]
         index = {}
         if _INDEXED_BY_MAP:
             index["req_id_to_index"] = {req_id: i for i, req_id in enumerate(req_ids)}
@@ -98,27 +91,21 @@ class StandInWorker:
             and not requests[req_id].is_finished()
             and not requests[req_id].is_prefill_chunk
         ]
-        low = self.token_ids[0]
-        return DraftTokenIds(req_ids, [[low] * num_spec for _ in req_ids])
+        return DraftTokenIds(req_ids, [[self.token_ids[0]] * num_spec for _ in req_ids])
 
     def transfers(self, metadata) -> KVConnectorOutput | None:
         if metadata is None:
             return None
         received: set[str] = set()
-        parts = (
-            metadata.metadata
-            if isinstance(metadata, MultiKVConnectorMetadata)
-            else (metadata,)
-        )
+        multi = isinstance(metadata, MultiKVConnectorMetadata)
+        parts = metadata.metadata if multi else (metadata,)
         worker_meta = [self._transfer(part, received) for part in parts]
-        if isinstance(metadata, MultiKVConnectorMetadata):
-            combined = (
-                MultiKVConnectorWorkerMetadata(tuple(worker_meta))
-                if any(m is not None for m in worker_meta)
-                else None
-            )
-        else:
+        if not multi:
             combined = worker_meta[0]
+        elif any(m is not None for m in worker_meta):
+            combined = MultiKVConnectorWorkerMetadata(tuple(worker_meta))
+        else:
+            combined = None
         sent, self.pending_sends = self.pending_sends, set()
         return KVConnectorOutput(
             finished_sending=sent or None,
@@ -137,10 +124,9 @@ class StandInWorker:
                     peer.pending_sends.add(meta.remote.request_id)
             return None
         if isinstance(metadata, SimpleCPUOffloadMetadata):
+            loads = metadata.load_event_to_reqs
             if metadata.load_event >= 0:
-                received.update(
-                    metadata.load_event_to_reqs.get(metadata.load_event, ())
-                )
+                received.update(loads.get(metadata.load_event, ()))
             if metadata.store_event >= 0:
                 return SimpleCPUOffloadWorkerMetadata(
                     {metadata.store_event: self.world_size}

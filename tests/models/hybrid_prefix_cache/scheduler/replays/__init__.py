@@ -1,8 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The scheduler tier's replay of each workload, one module per module of the
-``workloads`` package, so the workloads' plays never load the scheduler tier;
-:func:`catalog` finds new ones."""
+"""The scheduler tier's replay of each workload, one module per ``workloads`` module
+so that the workloads' plays never load this tier; :func:`catalog` finds them."""
 
 import functools
 

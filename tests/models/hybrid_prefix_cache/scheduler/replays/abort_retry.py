@@ -2,28 +2,22 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The scheduler tier's replay of workloads/abort_retry.py."""
 
+from tests.models.hybrid_prefix_cache.harness import rules
 from tests.models.hybrid_prefix_cache.harness.deployment import Units
-from tests.models.hybrid_prefix_cache.harness.rules import (
-    FIRST_PROMPT_BLOCKS,
-    FIRST_PROMPT_TAIL,
-)
 from tests.models.hybrid_prefix_cache.scheduler.abort import (
     play_abort_retry,
     play_overlapping_retry,
 )
 from tests.models.hybrid_prefix_cache.scheduler.cell import Replay, ReplayCell, Setting
 from tests.models.hybrid_prefix_cache.scheduler.judge import controls
-from tests.models.hybrid_prefix_cache.workloads.abort_retry import (
-    WORKLOAD,
-)
+from tests.models.hybrid_prefix_cache.workloads.abort_retry import WORKLOAD
 
 
 def abort_length(units: Units, budget: int) -> int:
     """A prompt whose prefill takes at least two steps under ``budget``
     tokens a step, so that an abort can land between them."""
-    return (
-        max(budget, FIRST_PROMPT_BLOCKS * units.block) + units.block + FIRST_PROMPT_TAIL
-    )
+    first = max(budget, rules.FIRST_PROMPT_BLOCKS * units.block)
+    return first + units.block + rules.FIRST_PROMPT_TAIL
 
 
 def abort_problems(
@@ -48,9 +42,9 @@ def overlap_problems(
     hit: int, written: int, prompt_len: int, units: Units
 ) -> list[str]:
     """Why an overlapping retry's ``hit`` cannot be real: a step writes the states
-    its chunks publish only as it runs, so the retry may resume from the
-    ``written`` tokens scheduled before its own step and no others
-    (MambaManager.get_num_blocks_to_allocate, cached_blocks_this_step)."""
+    its chunks publish only as it runs, so the retry may resume from the ``written``
+    tokens scheduled before its own step alone (MambaManager.get_num_blocks_to_allocate,
+    cached_blocks_this_step)."""
     problems = []
     if hit % units.hit:
         problems.append(f"retry cached {hit}, not a multiple of the hit unit")
@@ -64,12 +58,10 @@ def overlap_problems(
 
 
 def replay(cell: ReplayCell, scheduling: str) -> None:
-    """An abort after the first chunk was scheduled, then the retry: it never
-    resumes past what the aborted request's steps wrote, and the counters
-    count the aborted request once; under asynchronous scheduling the abort
-    lands with a step in flight. Then a retry sent while the original still
-    prefills, the original aborted after it: the retry never resumes from a
-    state its own step publishes."""
+    """An abort after the first chunk (asynchronously, with a step in flight), then
+    the retry: it resumes from no more than the aborted request's steps wrote, and
+    the counters count that request once. Then a retry sent while its original
+    still prefills: it never resumes from a state its own step publishes."""
     setting = Setting(async_scheduling=scheduling == "async")
     for kda, alignment in cell.kda_checkpoints.items():
         engines = cell.scheduling_engines(setting, alignment)
@@ -84,7 +76,6 @@ def replay(cell: ReplayCell, scheduling: str) -> None:
         )
         problems += controls(result.recompute_hit, servers)
         cell.fail(WORKLOAD, problems, f"{kda} {result}")
-        # The retry sent while the original still prefills, then the abort.
         units, servers = cell.servers_of(engines)
         overlap = play_overlapping_retry(
             servers, cell.deployment, prompt_len, cell.cell_id, cell.token_ids

@@ -3,9 +3,7 @@
 """The scheduler tier's replay of workloads/eviction.py."""
 
 from tests.models.hybrid_prefix_cache.harness.client import MAX_TOKENS
-from tests.models.hybrid_prefix_cache.harness.conversation import (
-    reference_conversation,
-)
+from tests.models.hybrid_prefix_cache.harness.conversation import reference_conversation
 from tests.models.hybrid_prefix_cache.scheduler.cell import Replay, ReplayCell, Setting
 from tests.models.hybrid_prefix_cache.scheduler.judge import controls
 from tests.models.hybrid_prefix_cache.workloads.eviction import (
@@ -21,10 +19,9 @@ from tests.models.hybrid_prefix_cache.workloads.eviction import (
 
 
 def replay(cell: ReplayCell) -> None:
-    """A pool of EVICTION_POOL_REQUESTS requests' blocks (measured on the
-    engine), a first turn, pressure, then the second turn: its local hit
-    never exceeds the least that every group still holds, the counters
-    agree, and the pressure did evict."""
+    """A pool of EVICTION_POOL_REQUESTS requests' blocks (measured on the engine),
+    a first turn, pressure, then the second turn: its local hit never exceeds the
+    least every group still holds, the counters agree and the pressure did evict."""
     for kda, alignment in cell.kda_checkpoints.items():
         units, servers = cell.servers_of(cell.engines(kda=alignment))
         length = reference_conversation(units, "").first_len
@@ -45,9 +42,8 @@ def replay(cell: ReplayCell) -> None:
         problems = eviction_problems(result.local_hit, result.held)
         if result.held == result.held_before:
             problems.append(
-                f"nothing was evicted: every group holds {list(result.held)} "
-                f"before and after the pressure ({blocks} blocks for {used} a "
-                f"request)"
+                f"nothing was evicted: every group holds {list(result.held)} before "
+                f"and after the pressure ({blocks} blocks for {used} a request)"
             )
         problems += controls(result.recompute_hit, servers)
         cell.fail(WORKLOAD, problems, f"{kda} {result}")

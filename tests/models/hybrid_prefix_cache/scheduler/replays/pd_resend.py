@@ -2,31 +2,26 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The scheduler tier's replay of workloads/pd_resend.py."""
 
-from tests.models.hybrid_prefix_cache.harness.conversation import (
-    reference_conversation,
-    shape_length,
-)
+from tests.models.hybrid_prefix_cache.harness import conversation
 from tests.models.hybrid_prefix_cache.harness.reconcile import decoder_resend_hit
 from tests.models.hybrid_prefix_cache.scheduler.cell import Replay, ReplayCell
 from tests.models.hybrid_prefix_cache.scheduler.judge import case_problems
 from tests.models.hybrid_prefix_cache.scheduler.play import play_resend
-from tests.models.hybrid_prefix_cache.workloads.pd_resend import (
-    WORKLOAD,
-)
+from tests.models.hybrid_prefix_cache.workloads.pd_resend import WORKLOAD
 
 
 def replay(cell: ReplayCell) -> None:
-    """Resends of a prompt ending on a block, of one whose prefilled part
-    does, and of the reference prompt: each hits its own checkpoint on the
-    prefiller, and the decoder's own cache follows its role's rule."""
+    """Resends of a prompt ending on a block, of one whose prefilled part does, and
+    of the reference prompt: each hits its own checkpoint on the prefiller, and
+    the decoder's own cache follows its role's rule."""
     for kda, alignment in cell.kda_checkpoints.items():
         engines = cell.engines(kda=alignment)
         units, _ = cell.servers_of(engines)
-        aligned = shape_length("exact", units)
+        aligned = conversation.shape_length("exact", units)
         lengths = (
             aligned,
             aligned + cell.deployment.cache_backoff,
-            reference_conversation(units, "").first_len,
+            conversation.reference_conversation(units, "").first_len,
         )
         for prompt_len in lengths:
             units, servers = cell.servers_of(engines)

@@ -3,12 +3,8 @@
 """The scheduler tier's replay of workloads/preemption.py."""
 
 import functools
-from collections.abc import Sequence
 
-from tests.models.hybrid_prefix_cache.harness.deployment import (
-    Deployment,
-    Mode,
-)
+from tests.models.hybrid_prefix_cache.harness.deployment import Deployment, Mode
 from tests.models.hybrid_prefix_cache.harness.rules import (
     FIRST_PROMPT_TAIL,
     hit_bound,
@@ -31,28 +27,6 @@ from tests.models.hybrid_prefix_cache.workloads.preemption import (
 )
 
 
-def chunk_problems(
-    chunks: Sequence[tuple[int, int]], prefill_end: int, block: int, checkpoint: int
-) -> list[str]:
-    """A resumed request's prefill chunks (start, end) that end short of its
-    prefill's end off a block boundary, where no state is filed: only the
-    prompt's own checkpoint may end one there (_mamba_block_aligned_split)."""
-    return [
-        f"a chunk of the resumed prefill ended at {end}, inside block "
-        f"{end // block} ({block} tokens), short of the prefill's end {prefill_end}"
-        for start, end in chunks
-        if end < prefill_end and end % block and end != checkpoint
-    ]
-
-
-def _rule(shape: Shape, mode: Mode, deployment: Deployment) -> int:
-    """The bound of a follow-up: what its request computed (a replayed
-    prefill files states past its prompt)."""
-    stored = shape.prompt_len + shape.max_tokens - 1
-    length = stored + 1 + FIRST_PROMPT_TAIL
-    return hit_bound(stored - deployment.cache_backoff, length, shape.units.hit)
-
-
 def problems_of(
     result: Preemption | None, shape: Shape, mode: Mode, deployment: Deployment
 ) -> list[str]:
@@ -61,8 +35,21 @@ def problems_of(
         return [missing]
     units = shape.units
     checkpoint = prompt_end_checkpoint(shape.prompt_len, units.hit, mode.drops_unit)
-    found = chunk_problems(result.chunks, result.prefill_end, result.block, checkpoint)
-    bound = _rule(shape, mode, deployment)
+    # A resumed prefill's chunk that ends short of its end off a block boundary
+    # files no state: only the prompt's own checkpoint may end one there
+    # (_mamba_block_aligned_split).
+    block, prefill_end = result.block, result.prefill_end
+    found = [
+        f"a chunk of the resumed prefill ended at {end}, inside block "
+        f"{end // block} ({block} tokens), short of the prefill's end {prefill_end}"
+        for start, end in result.chunks
+        if end < prefill_end and end % block and end != checkpoint
+    ]
+    # A follow-up's bound is what its request computed (a replayed prefill files
+    # states past its prompt).
+    stored = shape.prompt_len + shape.max_tokens - 1
+    length = stored + 1 + FIRST_PROMPT_TAIL
+    bound = hit_bound(stored - deployment.cache_backoff, length, units.hit)
     for who, hit in zip(("the resumed request's", "the other's"), result.hits):
         if hit > bound:
             found.append(f"{who} follow-up cached {hit}, beyond the bound {bound}")
@@ -73,8 +60,8 @@ def problems_of(
 
 def replay(cell: ReplayCell) -> None:
     """The pool where vLLM preempts a decoding request after its outputs
-    (:func:`sized_preemption`); its resumed prefill's chunks, and the
-    follow-ups of both requests, held to the rule."""
+    (:func:`sized_preemption`): its resumed prefill's chunks and both requests'
+    follow-ups, held to the rule."""
     for kda, alignment in cell.kda_checkpoints.items():
         engines = cell.engines(kda=alignment)
         units, _ = cell.servers_of(engines)
@@ -84,9 +71,9 @@ def replay(cell: ReplayCell) -> None:
             setting = Setting(shape.budget, blocks, None, shape.max_len, "priority")
             return cell.servers_of(cell.engines(setting, alignment))[1]
 
-        def replayed(servers, requests: int, shape=shape):
-            seed, tokens = cell.cell_id, cell.token_ids
-            return play_preemption(servers, *shape.lengths, requests, seed, tokens)
+        def replayed(servers, requests: int, reverse=False, shape=shape):
+            played = (*shape.lengths, requests, cell.cell_id, cell.token_ids)
+            return play_preemption(servers, *played, reverse)
 
         wanted = functools.partial(tested, shape=shape)
         size, servers, result = sized_preemption(build, replayed, wanted)
@@ -94,14 +81,7 @@ def replay(cell: ReplayCell) -> None:
         if result is not None:
             problems += controls(max(result.recompute_hits), servers)
             # A real server's arrival order is not the replay's.
-            again = play_preemption(
-                build(size),
-                *shape.lengths,
-                result.requests,
-                cell.cell_id,
-                cell.token_ids,
-                reverse=True,
-            )
+            again = replayed(build(size), result.requests, reverse=True)
             if isinstance(again, Unpreempted):
                 problems.append(f"its pool preempted nothing sent last first: {again}")
             elif (again.resumed, again.hits) != (result.resumed, result.hits):
@@ -113,10 +93,9 @@ def replay(cell: ReplayCell) -> None:
 
 
 def _applies(deployment: Deployment, mode: Mode) -> bool:
-    """Not under P/D (the decoder would replay a transfer), nor DCP or a
-    drafter that drops a hit unit or takes lookahead hashes (rules.drafting):
-    there no pool the sizing tries preempts a decoding request
-    (findings/preemption.md)."""
+    """Not under P/D (the decoder would replay a transfer), DCP or a drafter that
+    drops a hit unit or hashes lookahead tokens (rules.drafting): there no pool
+    the sizing tries preempts a decoding request (findings/preemption.md)."""
     rule = mode.drafting(deployment.instances[0])
     plain = deployment.prefill is None and deployment.instances[0].dcp <= 1
     return plain and not (rule.drops_unit or rule.lookahead)

@@ -4,32 +4,28 @@
 
 from functools import partial
 
-from tests.models.hybrid_prefix_cache.harness.conversation import (
-    Conversation,
-    reference_conversation,
-    shape_length,
-)
+from tests.models.hybrid_prefix_cache.harness import conversation
 from tests.models.hybrid_prefix_cache.scheduler.cell import Replay, ReplayCell, Setting
 from tests.models.hybrid_prefix_cache.scheduler.judge import case_problems
 from tests.models.hybrid_prefix_cache.workloads import scheduling as workloads
 
 
 def replay(cell: ReplayCell, scheduling: str) -> None:
-    """The reference conversation and one a token past the blocks; on one
-    server without offload they run at once, so requests join and leave
-    between steps. Every turn hits the harness's expectation."""
+    """The reference conversation and one a token past the blocks, at once on one
+    server without offload (requests join and leave between steps): every turn
+    hits the harness's expectation."""
     setting = Setting(async_scheduling=scheduling == "async")
-    concurrent = not cell.pd and not cell.deployment.offload
+    concurrent = cell.deployment.prefill is None and not cell.deployment.offload
     for kda, alignment in cell.kda_checkpoints.items():
         engines = cell.scheduling_engines(setting, alignment)
         depth = engines[0].vllm_config.max_concurrent_batches
         assert (depth > 1) == setting.async_scheduling, (scheduling, depth)
 
         def two(units):
-            length = shape_length("plus1", units)
+            length = conversation.shape_length("plus1", units)
             return [
-                reference_conversation(units, f"{cell.cell_id}-reference"),
-                Conversation("plus1", length, f"{cell.cell_id}-plus1"),
+                conversation.reference_conversation(units, f"{cell.cell_id}-reference"),
+                conversation.Conversation("plus1", length, f"{cell.cell_id}-plus1"),
             ]
 
         units, servers, results = cell.play_conversations(engines, two, concurrent)

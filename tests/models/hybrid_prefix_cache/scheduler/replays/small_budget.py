@@ -2,9 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The scheduler tier's replay of workloads/small_budget.py."""
 
-from tests.models.hybrid_prefix_cache.harness.conversation import (
-    reference_conversation,
-)
+from tests.models.hybrid_prefix_cache.harness.conversation import reference_conversation
 from tests.models.hybrid_prefix_cache.scheduler.cell import Replay, ReplayCell, Setting
 from tests.models.hybrid_prefix_cache.scheduler.judge import (
     case_problems,
@@ -17,9 +15,8 @@ from tests.models.hybrid_prefix_cache.workloads.small_budget import (
 
 
 def replay(cell: ReplayCell) -> None:
-    """The reference conversation under each of :func:`small_budgets`: its
-    hits equal those under the default budget turn by turn, and the
-    harness's expectation."""
+    """The reference conversation under each of :func:`small_budgets`: its hits
+    equal the default budget's turn by turn, and the harness's expectation."""
     for kda, alignment in cell.kda_checkpoints.items():
         engines = cell.engines(kda=alignment)
         units = check_geometry(engines[0], cell.mode)
@@ -29,8 +26,7 @@ def replay(cell: ReplayCell) -> None:
 
         _, _, default = cell.play_conversations(engines, reference)
         for budget in small_budgets(units):
-            setting = Setting(budget)
-            small = cell.engines(setting, alignment)
+            small = cell.engines(Setting(budget), alignment)
             units, servers, results = cell.play_conversations(small, reference)
             problems = [
                 f"turn {a.planned.index}: cached {b.hit} under a budget of "
