@@ -1,8 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""A client aborts a cold prefill mid-way and retries: the retry resumes
-from what the aborted steps wrote and no further (vLLM #56525 loaded a state
-no step wrote)."""
+"""A client aborts a cold prefill mid-way and retries: the retry resumes from what the
+aborted steps wrote and no further (vLLM #56525 loaded a state no step wrote)."""
 
 import random
 import time
@@ -49,17 +48,15 @@ ABORT_ATTEMPTS = 4
 def abort_retry_length(units: Units, budget: int) -> int:
     """The real server's prompt: its checkpoint, the last block boundary within
     ``budget``, ends the first chunk (Scheduler._mamba_block_aligned_split,
-    last_cache_position), and the tail takes a second step."""
+    last_cache_position); the tail takes a second step."""
     return budget // units.block * units.block + FIRST_PROMPT_TAIL
 
 
 def abort_landing(
     queried: float, first_tokens: float, prompt_len: int, answered: int = 1
 ) -> str:
-    """Where an abort landed, from the counters over the aborted request and the
-    ``answered`` requests after it: "before admission" (prefix_cache_queries
-    count a prompt at admission), "after the prefill" (a first token was
-    sampled) or "mid-prefill"."""
+    """From the counters over the aborted request and the ``answered`` ones after
+    it: prefix_cache_queries count a prompt at admission, first tokens a prefill."""
     if queried < (answered + 1) * prompt_len:
         return "before admission"
     if first_tokens > answered:
@@ -68,46 +65,31 @@ def abort_landing(
 
 
 def abort_checkpoint(landed: str, prompt_len: int, units: Units, drops: bool) -> int:
-    """What the retry must hit: nothing where the abort preceded admission, else
-    the prompt's checkpoint, which the first chunk published when scheduled
-    (MambaManager.cache_blocks) and a synchronous engine ran before it took the
-    abort (EngineCore.step)."""
+    """Nothing where the abort preceded admission, else the prompt's checkpoint: the
+    first chunk published it when scheduled (MambaManager.cache_blocks), and a
+    synchronous engine ran that step before it took the abort (EngineCore.step)."""
     if landed == "before admission":
         return 0
     return prompt_end_checkpoint(prompt_len, units.hit, drops)
 
 
 def play(run: WorkloadRun) -> CaseRecord:
-    """A client gives up on a cold request mid-prefill and retries it at once,
-    played as a turn. The prompt's checkpoint ends its first chunk under the
-    budget vLLM resolves for the caching instance; the counters say where the
-    abort landed, and a try that missed mid-prefill gives up earlier or later."""
+    """The retry is played as a turn; the prompt's checkpoint ends its first chunk
+    under the budget vLLM resolves for the caching instance."""
     __tracebackhide__ = True
-    case_id, binding, deployment, mode = (
-        run.case_id,
-        run.binding,
-        run.deployment,
-        run.mode,
-    )
+    binding, deployment, mode = run.binding, run.deployment, run.mode
     with run.session() as case:
         budget = run.needs_in_process().budget(deployment, mode)
         with case.serve(binding, deployment, mode, run.suite.pool) as play:
             servers, model = play.servers, binding.model
-            caching, pd = servers[0], len(servers) > 1
-            seen = abort_retry_length(play.units, budget)
+            caching, pd, units = servers[0], len(servers) > 1, play.units
+            seen = abort_retry_length(units, budget)
             length = seen + deployment.cache_backoff
-            prompt = random_tokens(random.Random(case_id), binding.token_ids, length)
+            rng = random.Random(run.case_id)
+            prompt = random_tokens(rng, binding.token_ids, length)
             clocks = [
-                Turn(
-                    "clock",
-                    index,
-                    length,
-                    0,
-                    0,
-                    prompt=prompt,
-                    salt=fresh_salt("clock"),
-                )
-                for index in range(2)
+                Turn("clock", i, length, 0, 0, prompt=prompt, salt=fresh_salt("clock"))
+                for i in range(2)
             ]
             for clock in clocks:
                 case.add(clock)
@@ -118,27 +100,22 @@ def play(run: WorkloadRun) -> CaseRecord:
             after = ABORT_AFTER_FRACTION * took
             # Under P/D, the client gives up on the prefill leg.
             leg = {"max_tokens": 1, "kv_transfer_params": PREFILL_KV_TRANSFER_PARAMS}
+            leg = leg if pd else {}
             for attempt in range(ABORT_ATTEMPTS):
                 before = read_counters(caching)
                 salt = fresh_salt("abort")
-                answered = give_up(
-                    caching, model, prompt, salt, after, **(leg if pd else {})
-                )
+                answered = give_up(caching, model, prompt, salt, after, **leg)
                 if answered is not None:
                     if pd:
                         # Its decode leg follows, as through the deployment.
+                        params = answered.kv_transfer_params
                         answered = complete(
-                            servers[-1],
-                            model,
-                            prompt,
-                            salt,
-                            kv_transfer_params=answered.kv_transfer_params,
+                            servers[-1], model, prompt, salt, kv_transfer_params=params
                         )
                     # Answered before the client gave up: a cold request.
                     case.add(Turn("answered", attempt, length, 0, 0, output=answered))
-                retry = planned_turn(
-                    play, "retry", PlannedTurn(attempt, length, length)
-                )
+                planned = PlannedTurn(attempt, length, length)
+                retry = planned_turn(play, "retry", planned)
                 case.add(retry)
                 send_turn(play, retry, prompt, salt)
                 # Counted once the retry's (and its twin's) stats are exported.
@@ -148,15 +125,11 @@ def play(run: WorkloadRun) -> CaseRecord:
                 moved = counter_deltas(now, before)
                 landed = "answered"
                 if answered is None:
-                    queried, first_tokens = moved[PREFIX_QUERIES], moved[FIRST_TOKENS]
-                    landed = abort_landing(
-                        queried or 0.0, first_tokens or 0.0, seen, answered=sent
-                    )
+                    queried, first = moved[PREFIX_QUERIES], moved[FIRST_TOKENS]
+                    landed = abort_landing(queried or 0.0, first or 0.0, seen, sent)
                     if landed != "before admission":
                         case.window.book_unanswered(caching, aborted_entry(seen))
-                retry.expected = abort_checkpoint(
-                    landed, seen, play.units, mode.drops_unit
-                )
+                retry.expected = abort_checkpoint(landed, seen, units, mode.drops_unit)
                 recompute_turn(play, retry)
                 case.add(
                     notice=f"attempt {attempt}: the client gave up after "
@@ -188,14 +161,12 @@ WORKLOAD = Workload(
     "abort-retry",
     "a retry after an abort matches its recompute",
     "v1/core/sched/scheduler.py Scheduler.finish_requests, "
-    "v1/core/single_type_kv_cache_manager.py MambaManager.cache_blocks "
-    "(a state is published when its chunk is scheduled), "
-    "v1/engine/core.py EngineCore.step_with_batch_queue (the steps "
-    "scheduled before the abort complete), MambaManager."
-    "get_num_blocks_to_allocate (a retry admitted beside the original "
-    "is held back from a state published in its own step, "
-    "cached_blocks_this_step); on a real server, EngineCore.step (a "
-    "synchronous engine runs the step it scheduled before it takes "
-    "the abort)",
+    "v1/core/single_type_kv_cache_manager.py MambaManager.cache_blocks (a state is "
+    "published when its chunk is scheduled), v1/engine/core.py "
+    "EngineCore.step_with_batch_queue (the steps scheduled before the abort complete), "
+    "MambaManager.get_num_blocks_to_allocate (a retry admitted beside the original is "
+    "held back from a state published in its own step, cached_blocks_this_step); on a "
+    "real server, EngineCore.step (a synchronous engine runs the step it scheduled "
+    "before it takes the abort)",
     play=play,
 )

@@ -18,13 +18,7 @@ from tests.models.hybrid_prefix_cache.harness.conversation import (
     random_tokens,
     reference_conversation,
 )
-from tests.models.hybrid_prefix_cache.harness.deployment import (
-    Binding,
-    Deployment,
-    Mode,
-    Units,
-    with_serve_args,
-)
+from tests.models.hybrid_prefix_cache.harness.deployment import Units, with_serve_args
 from tests.models.hybrid_prefix_cache.harness.reconcile import PREFIX_HITS
 from tests.models.hybrid_prefix_cache.harness.records import CaseRecord
 from tests.models.hybrid_prefix_cache.harness.rules import (
@@ -32,11 +26,7 @@ from tests.models.hybrid_prefix_cache.harness.rules import (
     TURN_TOKENS,
     PlannedTurn,
 )
-from tests.models.hybrid_prefix_cache.harness.workload import (
-    InProcess,
-    Workload,
-    WorkloadRun,
-)
+from tests.models.hybrid_prefix_cache.harness.workload import Workload, WorkloadRun
 from tests.models.hybrid_prefix_cache.scheduler.play import send as replay_send
 from tests.models.hybrid_prefix_cache.scheduler.servers import ReplayServer
 from vllm.sampling_params import SamplingParams
@@ -58,29 +48,10 @@ def eviction_max_len(first_len: int, max_tokens: int) -> int:
     return first_len + TURN_TOKENS + max_tokens
 
 
-@dataclass(frozen=True)
-class EvictionPlan:
-    """A real server's eviction case as the replay played it on its engine: the
-    arguments that size its pool, the pressure requests sent, each group's own
-    hit for the next turn before and after them, and vLLM's hit then (under
-    P/D the prefiller's, and the decoder's own for the decode leg)."""
-
-    args: tuple[str, ...]
-    pressure: int
-    held_before: tuple[int, ...]
-    held: tuple[int, ...]
-    hit: int
-    decoder_hit: int | None = None
-
-
 def eviction_args(max_model_len: int, kv_cache_bytes: int) -> tuple[str, ...]:
     """The servers' model length and pool (the CPU worker sizes it from these bytes)."""
-    return (
-        "--max-model-len",
-        str(max_model_len),
-        "--kv-cache-memory-bytes",
-        str(kv_cache_bytes),
-    )
+    length, pool = str(max_model_len), str(kv_cache_bytes)
+    return "--max-model-len", length, "--kv-cache-memory-bytes", pool
 
 
 def eviction_problems(hit: int, per_group: tuple[int, ...]) -> list[str]:
@@ -95,87 +66,91 @@ def eviction_problems(hit: int, per_group: tuple[int, ...]) -> list[str]:
     ]
 
 
+@dataclass(frozen=True)
+class Eviction:
+    """Each group's own hit for the next turn before and after the pressure, and
+    vLLM's hit then (under P/D the prefiller's; the decoder's own for its leg)."""
+
+    prompt_len: int
+    prev_len: int
+    held_before: tuple
+    held: tuple
+    hit: int
+    local_hit: int
+    recompute_hit: int
+    pressure: int
+    decoder_hit: int | None = None
+
+
 def play(run: WorkloadRun) -> CaseRecord:
-    """A conversation under eviction pressure on servers whose pool the
-    replay sized (:func:`plan`): its first prompt, the replay's pressure
-    requests, then its second turn, played as any turn. That turn must hit
-    what vLLM's scheduler hit in the replay, never more than the least every
-    group still held, and match its control bit for bit. Fails where the
-    replay's pressure never reached the conversation."""
+    """The first prompt, the replay's pressure requests (:func:`plan` sized the
+    pool), then the second turn: it must hit what vLLM's scheduler hit in the
+    replay, never more than the least every group still held."""
     __tracebackhide__ = True
     case_id, binding, mode = run.case_id, run.binding, run.mode
     # Sized in the session: a sizing that fails leaves its record too.
     with run.session() as case:
-        plan_ = plan(run.needs_in_process(), binding, run.deployment, mode, case_id)
-        served = with_serve_args(run.deployment, plan_.args)
+        args, replayed = plan(run)
+        served = with_serve_args(run.deployment, args)
         with case.serve(binding, served, mode, run.suite.pool) as play:
-            if plan_.held == plan_.held_before:
+            servers, model = play.servers, binding.model
+            if replayed.held == replayed.held_before:
                 case.add(
-                    problem=f"eviction: the replay's {plan_.pressure} pressure "
+                    problem=f"eviction: the replay's {replayed.pressure} pressure "
                     f"requests evicted nothing of the conversation (each group held "
-                    f"{list(plan_.held)} before and after them)"
+                    f"{list(replayed.held)} before and after them)"
                 )
             # The replay's lengths, the case's own tokens.
             rng, tokens = random.Random(case_id), binding.token_ids
             first_len = reference_conversation(play.units, case_id).first_len
-            prompt = random_tokens(rng, tokens, first_len)
-            salt = fresh_salt("eviction")
+            prompt, salt = random_tokens(rng, tokens, first_len), fresh_salt("eviction")
             first = Turn("first", 0, first_len, 0, 0, prompt=prompt, salt=salt)
             case.add(first)
-            first.output, found = send_checked(
-                play.servers, binding.model, prompt, salt
-            )
+            first.output, found = send_checked(servers, model, prompt, salt)
             first.take(Found(tuple(found)))
             grown = grown_prompt(rng, tokens, prompt, first.output.token_ids)
             filler = eviction_filler(play.units)
-            for index in range(plan_.pressure):
+            for index in range(replayed.pressure):
                 other = random_tokens(rng, tokens, filler)
-                pressure = Turn("pressure", index, filler, 0, 0, prompt=other)
-                pressure.salt = fresh_salt("pressure")
-                case.add(pressure)
-                pressure.output, found = send_checked(
-                    play.servers, binding.model, other, pressure.salt
-                )
-                pressure.take(Found(tuple(found)))
+                turn = Turn("pressure", index, filler, 0, 0, prompt=other)
+                turn.salt = fresh_salt("pressure")
+                case.add(turn)
+                turn.output, found = send_checked(servers, model, other, turn.salt)
+                turn.take(Found(tuple(found)))
             turn = planned_turn(play, "evicted", PlannedTurn(1, len(grown), first_len))
-            turn.expected, turn.bound = plan_.hit, min(plan_.held)
+            turn.expected, turn.bound = replayed.hit, min(replayed.held)
             case.add(turn)
             play_turn(play, turn, grown, salt)
             assert turn.output is not None
             hits = {
-                "vLLM's scheduler, replayed": plan_.hit,
+                "vLLM's scheduler, replayed": replayed.hit,
                 turn.name: turn.output.cached_tokens,
             }
             for who, hit in hits.items():
-                problems = eviction_problems(hit, plan_.held)
+                problems = eviction_problems(hit, replayed.held)
                 turn.take(Found(tuple(f"{who}: {why}" for why in problems)))
             # Under P/D the decoder's pool is under the same pressure.
-            if (
-                plan_.decoder_hit is not None
-                and turn.output.decoder_hit != plan_.decoder_hit
-            ):
-                missed = (
-                    f"{turn.name}: the decoder's own cache hit "
-                    f"{turn.output.decoder_hit} for its decode leg, vLLM's scheduler "
-                    f"replayed on its engine hit {plan_.decoder_hit}"
-                )
-                turn.take(Found((missed,)))
+            decoder, decoder_hit = "", replayed.decoder_hit
+            if decoder_hit is not None:
+                decoder = f" (the decoder's own cache {decoder_hit})"
+                if turn.output.decoder_hit != decoder_hit:
+                    missed = (
+                        f"{turn.name}: the decoder's own cache hit "
+                        f"{turn.output.decoder_hit} for its decode leg, vLLM's "
+                        f"scheduler replayed on its engine hit {decoder_hit}"
+                    )
+                    turn.take(Found((missed,)))
             finish_turns(play, case.turns)
-            decoder = (
-                ""
-                if plan_.decoder_hit is None
-                else f" (the decoder's own cache {plan_.decoder_hit})"
-            )
             case.add(
-                notice=f"{plan_.pressure} pressure requests of {filler} tokens; "
-                f"replayed in-process, each group held {list(plan_.held_before)} "
-                f"of the next turn before them and {list(plan_.held)} after, and "
-                f"vLLM's scheduler hit {plan_.hit}{decoder}"
+                notice=f"{replayed.pressure} pressure requests of {filler} tokens; "
+                f"replayed in-process, each group held {list(replayed.held_before)} "
+                f"of the next turn before them and {list(replayed.held)} after, and "
+                f"vLLM's scheduler hit {replayed.hit}{decoder}"
             )
             if not case.ok:
                 case.add(
                     problem=WORKLOAD.failure(
-                        f"a pool of {' '.join(plan_.args)}, {plan_.pressure} "
+                        f"a pool of {' '.join(args)}, {replayed.pressure} "
                         f"pressure requests"
                     )
                 )
@@ -183,44 +158,26 @@ def play(run: WorkloadRun) -> CaseRecord:
     return case.record
 
 
-def plan(
-    in_process: InProcess,
-    binding: Binding,
-    deployment: Deployment,
-    mode: Mode,
-    seed: str,
-) -> EvictionPlan:
-    """The eviction case replayed first through vLLM's own scheduler on the
-    engines its servers' exact arguments build in-process: the model's length
-    cut to the workload's longest request, a pool of EVICTION_POOL_REQUESTS
-    times the most blocks one request held on the caching instance, grown
-    until vLLM admits the requests (:func:`sized_eviction`), and the
-    conversation played under pressure (:func:`play_eviction`)."""
-    units = in_process.units(mode)
-    max_len = eviction_max_len(
-        reference_conversation(units, seed).first_len, MAX_TOKENS
-    )
+def plan(run: WorkloadRun) -> tuple[tuple[str, ...], Eviction]:
+    """The servers' arguments and the case as vLLM's own scheduler played it first on
+    the engines they build in-process, in a pool grown until vLLM admits it."""
+    in_process, seed = run.needs_in_process(), run.case_id
+    units, token_ids = in_process.units(run.mode), run.binding.token_ids
+    first_len = reference_conversation(units, seed).first_len
+    max_len = eviction_max_len(first_len, MAX_TOKENS)
 
     def servers(args: tuple[str, ...]):
-        return in_process.replay_servers(deployment, mode, args)
+        return in_process.replay_servers(run.deployment, run.mode, args)
 
     sizing, played = servers(("--max-model-len", str(max_len)))
     per_block = sizing.block_bytes
-    request = [binding.token_ids[0]] * (max_len - 1)
-    used = blocks_in_use(played[0], request, "size")
+    used = blocks_in_use(played[0], [token_ids[0]] * (max_len - 1), "size")
     blocks, _, replayed = sized_eviction(
         lambda blocks: servers(eviction_args(max_len, blocks * per_block))[1],
         EVICTION_POOL_REQUESTS * used + 1,
-        lambda played: play_eviction(played, units, seed, binding.token_ids),
+        lambda played: play_eviction(played, units, seed, token_ids),
     )
-    return EvictionPlan(
-        args=eviction_args(max_len, blocks * per_block),
-        pressure=replayed.pressure,
-        held_before=replayed.held_before,
-        held=replayed.held,
-        hit=replayed.hit,
-        decoder_hit=replayed.decoder_hit,
-    )
+    return eviction_args(max_len, blocks * per_block), replayed
 
 
 def per_group_hits(server: ReplayServer, prompt: Sequence[int], salt: str) -> tuple:
@@ -234,31 +191,14 @@ def per_group_hits(server: ReplayServer, prompt: Sequence[int], salt: str) -> tu
     return tuple(hits)
 
 
-@dataclass(frozen=True)
-class Eviction:
-    prompt_len: int
-    prev_len: int
-    held_before: tuple
-    held: tuple
-    hit: int
-    local_hit: int
-    recompute_hit: int
-    pressure: int
-    decoder_hit: int | None = None
-
-
 def play_eviction(
-    servers: Sequence[ReplayServer],
-    units: Units,
-    seed: str,
-    token_ids: tuple[int, int],
+    servers: Sequence[ReplayServer], units: Units, seed: str, token_ids: tuple[int, int]
 ) -> Eviction:
     """A first turn, short cold prompts under other salts until an eviction reaches
     its blocks, then the second turn and its recompute, each group's own hit
     looked up just before it. No cache is reset: eviction is the workload."""
-    rng = random.Random(seed)
+    rng, salt = random.Random(seed), f"eviction-{seed}"
     first_len = reference_conversation(units, seed).first_len
-    salt = f"eviction-{seed}"
     prompt = random_tokens(rng, token_ids, first_len)
     output, _, _ = replay_send(servers, prompt, salt)
     grown = grown_prompt(rng, token_ids, prompt, output.token_ids)
@@ -267,8 +207,7 @@ def play_eviction(
     held_before = per_group_hits(servers[0], grown, salt)
     # Until the first eviction reaches the conversation's blocks, in rounds
     # of one request per engine (round-robin under DP).
-    dp = len(servers[0].loops)
-    filler = eviction_filler(units)
+    dp, filler = len(servers[0].loops), eviction_filler(units)
     pressure = 0
     while pressure < EVICTION_PRESSURE_REQUESTS:
         for rank in range(dp):

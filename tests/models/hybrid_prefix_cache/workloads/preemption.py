@@ -1,16 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Preemption: requests decode in a pool too small for all, so vLLM
-preempts one and later resumes it, replaying its prompt and output as a
-prefill. Its chunks must end on block boundaries, where the worker writes
-the states their hashes name, so a request that shares its prompt and output
-hits the rule's checkpoint and matches its recompute. Before vLLM #33706 the
-split aligned the prompt's tokens only, which shows only where the budget
-cuts the replay inside the output tokens: so the outputs run a block past
-the prompt's, and the pool preempts the request after them. Request i is
-sent at priority i under vLLM's priority policy, so which one is preempted
-is the request's own property, not its arrival time (Scheduler.schedule
-preempts the running request of the largest (priority, arrival_time))."""
+"""A request vLLM preempts resumes by replaying its prompt and output as a prefill,
+whose chunks must end on block boundaries (vLLM #33706: the split aligned the
+prompt's tokens only), so that its follow-up hits the rule's checkpoint."""
 
 import functools
 import random
@@ -22,7 +14,7 @@ from tests.models.hybrid_prefix_cache.harness.client import (
     complete,
     read_metrics,
 )
-from tests.models.hybrid_prefix_cache.harness.compare import Sample, Turn
+from tests.models.hybrid_prefix_cache.harness.compare import Turn
 from tests.models.hybrid_prefix_cache.harness.conversation import (
     finish_turns,
     fresh_salt,
@@ -31,9 +23,7 @@ from tests.models.hybrid_prefix_cache.harness.conversation import (
     random_tokens,
 )
 from tests.models.hybrid_prefix_cache.harness.deployment import (
-    Binding,
     Deployment,
-    Mode,
     Units,
     with_serve_args,
 )
@@ -42,11 +32,7 @@ from tests.models.hybrid_prefix_cache.harness.rules import (
     FIRST_PROMPT_TAIL,
     PlannedTurn,
 )
-from tests.models.hybrid_prefix_cache.harness.workload import (
-    InProcess,
-    Workload,
-    WorkloadRun,
-)
+from tests.models.hybrid_prefix_cache.harness.workload import Workload, WorkloadRun
 from tests.models.hybrid_prefix_cache.scheduler.preempt import (
     Preemption,
     play_preemption,
@@ -62,18 +48,14 @@ PREEMPTIONS = "vllm:num_preemptions_total"
 
 @dataclass(frozen=True)
 class Shape:
-    """Each request's prompt (three attention blocks, each ``dcp`` scheduler
-    blocks under DCP, less its slack) and output, a budget of a block and a
-    half (a replayed prefill takes several chunks), and the model's length:
-    a follow-up and its output. The slack is SHORT_OF_BLOCK steps of up to
-    ``1 + spec`` tokens each, past the ``lookahead`` slots the scheduler
-    allocates with every step (config/vllm.py
-    VllmConfig.num_speculative_tokens, num_lookahead_tokens). ``restores``:
-    a connector restores a preempted request's stored blocks (CPU offload).
-
-    Where :attr:`cut`, the outputs run a block past the prompt's last, so the
-    last request is preempted when it needs the block after them, and the
-    budget cuts its replayed prefill inside them (``Preemption.output_cuts``)."""
+    """Prompts of three attention blocks (``dcp`` scheduler blocks each) less a slack of
+    SHORT_OF_BLOCK steps of ``1 + spec`` tokens past the ``lookahead`` slots the
+    scheduler allocates a step (config/vllm.py VllmConfig.num_speculative_tokens,
+    num_lookahead_tokens); a budget of a block and a half, so a replayed prefill takes
+    several chunks. ``restores``: a connector restores a preempted request's stored
+    blocks (CPU offload). Where :attr:`cut`, the outputs run a block past the prompt's,
+    the pool preempts the last request at the block after them, and the budget cuts its
+    replay inside them (``Preemption.output_cuts``): #33706's trigger."""
 
     units: Units
     dcp: int = 1
@@ -83,12 +65,10 @@ class Shape:
 
     @property
     def cut(self) -> bool:
-        """Not where the resume restores every stored block: it replays no
-        output before its last checkpoint. Nor with a drafter, whose slots
-        run ahead: preempted that many tokens short of the block after the
-        outputs, its last checkpoint is a block lower, and a pool that tight
-        recycles its replayed checkpoints before its follow-up (measured:
-        findings/preemption.md)."""
+        """Not where the resume restores every stored block (it replays no output
+        before its last checkpoint), nor with a drafter, whose slots run ahead: its
+        last checkpoint is a block lower, and a pool that tight recycles its
+        replayed checkpoints before its follow-up (findings/preemption.md)."""
         return not (self.restores or self.spec or self.lookahead)
 
     @property
@@ -101,11 +81,10 @@ class Shape:
 
     @property
     def max_tokens(self) -> int:
-        """Three slacks; where cut, a block and two: request i decodes three
-        steps (its prompt's chunks) after request i - 1, which then finishes
-        while the last one's replay runs (a block a step), so that replay
-        runs to its end at once. Preempted again mid-replay, it would replay
-        from its own cached blocks and file their states anew."""
+        """Three slacks (request i decodes three steps, its prompt's chunks, after
+        request i - 1); where cut, a block and two: request i - 1 then finishes
+        while the last one's replay runs (a block a step), so that replay runs to
+        its end at once, not preempted again to file its cached blocks anew."""
         return self.units.block * self.dcp * self.cut + (3 - self.cut) * self.slack
 
     @property
@@ -114,7 +93,6 @@ class Shape:
 
     @property
     def lengths(self) -> tuple[int, int]:
-        """Each request's prompt and output lengths."""
         return self.prompt_len, self.max_tokens
 
     @property
@@ -133,8 +111,7 @@ class Shape:
 
 
 def shape_of(units: Units, deployment: Deployment, config=None) -> Shape:
-    """The shape for ``deployment``'s first instance, whose engine's
-    ``config`` gives its drafter's tokens a step."""
+    """For the first instance, whose engine's ``config`` gives its drafter's tokens."""
     dcp, offload = max(deployment.instances[0].dcp, 1), deployment.offload
     if config is None:
         return Shape(units, dcp, restores=offload)
@@ -143,8 +120,8 @@ def shape_of(units: Units, deployment: Deployment, config=None) -> Shape:
 
 
 def tested(result: Preemption, shape: Shape) -> bool:
-    """What the sizing looks for: a resume in more than one chunk (one where
-    it restores every stored block) that leaves nothing untested."""
+    """A resume in more than one chunk (or restoring every stored block) that leaves
+    nothing untested."""
     return (len(result.chunks) > 1 or shape.restores) and not untested(result, shape)
 
 
@@ -165,22 +142,10 @@ def untested(result: Preemption | None, shape: Shape) -> str:
     return ""
 
 
-@dataclass(frozen=True)
-class PreemptionPlan:
-    shape: Shape
-    args: tuple[str, ...]
-    replayed: Preemption
-
-
-def plan(
-    in_process: InProcess,
-    binding: Binding,
-    deployment: Deployment,
-    mode: Mode,
-    seed: str,
-) -> PreemptionPlan:
-    """The case replayed first on the engines its servers' exact arguments
-    build in-process, sizing the pool (:func:`sized_preemption`)."""
+def plan(run: WorkloadRun) -> tuple[Shape, tuple[str, ...], Preemption]:
+    """The servers' shape and arguments, from the case replayed first on the engines
+    they build in-process, sizing the pool (:func:`sized_preemption`)."""
+    in_process, deployment, mode = run.needs_in_process(), run.deployment, run.mode
     units = in_process.units(mode)
     args = shape_of(units, deployment).args()
     sizing, _ = in_process.replay_servers(deployment, mode, args)
@@ -192,8 +157,8 @@ def plan(
         return in_process.replay_servers(deployment, mode, pool)[1]
 
     def replayed(servers, requests: int):
-        tokens = binding.token_ids
-        return play_preemption(servers, *shape.lengths, requests, seed, tokens)
+        tokens = run.binding.token_ids
+        return play_preemption(servers, *shape.lengths, requests, run.case_id, tokens)
 
     wanted = functools.partial(tested, shape=shape)
     blocks, _, result = sized_preemption(build, replayed, wanted)
@@ -201,50 +166,47 @@ def plan(
     # what a misplaced chunk does to the state.
     missing = untested(result, shape)
     assert result is not None and not missing, WORKLOAD.failure(missing)
-    return PreemptionPlan(shape, shape.args(blocks * per_block), result)
-
-
-def _at_once(server, binding: Binding, shape: Shape, prompts, salts) -> list[Sample]:
-    """The requests sent at once, request i at priority i, each decoding all
-    its tokens as the replay's do."""
-
-    def send(index: int) -> Sample:
-        return complete(
-            server,
-            binding.model,
-            prompts[index],
-            salts[index],
-            max_tokens=shape.max_tokens,
-            ignore_eos=True,
-            priority=index,
-        )
-
-    with ThreadPoolExecutor(len(salts)) as pool:
-        return list(pool.map(send, range(len(salts))))
+    return shape, shape.args(blocks * per_block), result
 
 
 def play(run: WorkloadRun) -> CaseRecord:
     """The replay's requests at once on servers whose pool it sized, then the
-    follow-ups of the one it resumed and of another, played as turns: the hit
-    the replay saw, and the recompute's output bit for bit. The server's
-    preemption counter must have moved."""
+    follow-ups of the one it resumed and of another, played as turns."""
     __tracebackhide__ = True
-    binding, mode, deployment = run.binding, run.mode, run.deployment
+    binding = run.binding
     with run.session() as case:
-        planned = plan(run.needs_in_process(), binding, deployment, mode, run.case_id)
-        shape, replayed = planned.shape, planned.replayed
-        served = with_serve_args(deployment, planned.args)
+        shape, args, replayed = plan(run)
+        served = with_serve_args(run.deployment, args)
         # Where the replay cut the resumed prefill: the real servers' own
         # chunks are not observable, only what they did to the state.
-        case.add(notice=f"{WORKLOAD.name}: {_described(planned)}")
-        with case.serve(binding, served, mode, run.suite.pool) as p:
+        cuts = list(replayed.output_cuts(shape.prompt_len)) or "none"
+        described = (
+            f"a pool of {' '.join(args)}; the replay resumed request "
+            f"{replayed.resumed} of {replayed.requests}, preempted after "
+            f"{replayed.preempted_at} outputs, in chunks {list(replayed.chunks)}; "
+            f"ends inside its outputs ({shape.prompt_len}, "
+            f"{replayed.last_checkpoint}): {cuts}"
+        )
+        case.add(notice=f"{WORKLOAD.name}: {described}")
+        with case.serve(binding, served, run.mode, run.suite.pool) as p:
             server, rng = p.servers[0], random.Random(run.case_id)
             salts = [fresh_salt("preempted") for _ in range(replayed.requests)]
             prompts = [
                 random_tokens(rng, binding.token_ids, shape.prompt_len) for _ in salts
             ]
+            # Request i at priority i: which one is preempted is its own property,
+            # not its arrival time (Scheduler.schedule preempts the running request
+            # of the largest (priority, arrival_time)). Each decodes all its tokens.
+            send = functools.partial(
+                complete, server, binding.model, max_tokens=shape.max_tokens
+            )
             before = _preemptions(server)
-            samples = _at_once(server, binding, shape, prompts, salts)
+            with ThreadPoolExecutor(len(salts)) as pool:
+                futures = [
+                    pool.submit(send, prompt, salt, ignore_eos=True, priority=index)
+                    for index, (prompt, salt) in enumerate(zip(prompts, salts))
+                ]
+            samples = [future.result() for future in futures]
             moved = _preemptions(server) - before
             if moved < 1:
                 case.add(
@@ -253,10 +215,8 @@ def play(run: WorkloadRun) -> CaseRecord:
                     f"{replayed.resumed} after {replayed.preempted_at} outputs"
                 )
             for index, sample in enumerate(samples):
-                turn = Turn(
-                    "request", index, shape.prompt_len, 0, 0, prompt=prompts[index]
-                )
-                turn.salt, turn.output = salts[index], sample
+                turn = Turn("request", index, shape.prompt_len, 0, 0, output=sample)
+                turn.prompt, turn.salt = prompts[index], salts[index]
                 case.add(turn)
             other = 0 if replayed.resumed else 1
             # What each salt stored: the prompt and every computed output.
@@ -271,20 +231,9 @@ def play(run: WorkloadRun) -> CaseRecord:
                 play_turn(p, turn, prompt, salts[index])
             finish_turns(p, case.turns)
             if not case.ok:
-                case.add(problem=WORKLOAD.failure(_described(planned)))
+                case.add(problem=WORKLOAD.failure(described))
     assert case.record is not None
     return case.record
-
-
-def _described(planned: PreemptionPlan) -> str:
-    replayed, prompt_len = planned.replayed, planned.shape.prompt_len
-    return (
-        f"a pool of {' '.join(planned.args)}; the replay resumed request "
-        f"{replayed.resumed} of {replayed.requests}, preempted after "
-        f"{replayed.preempted_at} outputs, in chunks {list(replayed.chunks)}; "
-        f"ends inside its outputs ({prompt_len}, {replayed.last_checkpoint}): "
-        f"{list(replayed.output_cuts(prompt_len)) or 'none'}"
-    )
 
 
 def _preemptions(server) -> float:

@@ -1,9 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Siblings of a shared system prompt that ends inside a block: the first
-computes it, the second finds the junction (its attention blocks hit past
-any Mamba state) and caches the state there, every later one resumes at the
-junction's checkpoint."""
+"""Siblings of a shared system prompt that ends inside a block: the first computes
+it, the second finds the junction (its attention blocks hit past any Mamba state)
+and caches the state there, every later one resumes at its checkpoint."""
 
 import random
 
@@ -28,14 +27,12 @@ SHARED_PREFIX_BLOCKS = 2.5
 
 
 def shared_prefix_length(units: Units) -> int:
-    """Two and a half blocks: it ends inside a block, where no sibling's own
-    prompt-end checkpoint falls."""
+    """It ends inside a block, where no sibling's own prompt-end checkpoint falls."""
     return int(SHARED_PREFIX_BLOCKS * units.block)
 
 
 def sibling_tail_length(units: Units) -> int:
-    """A block and the reference tail: each sibling's own checkpoint lies
-    past the shared prefix."""
+    """Each sibling's own checkpoint lies past the shared prefix."""
     return units.block + FIRST_PROMPT_TAIL
 
 
@@ -59,8 +56,7 @@ def play(run: WorkloadRun) -> CaseRecord:
         junction = junction_checkpoint(len(shared), p.units, run.mode.drops_unit)
         salt = fresh_salt("siblings")
         for index in range(NUM_SIBLINGS):
-            tail = random_tokens(rng, tokens, sibling_tail_length(p.units))
-            prompt = shared + tail
+            prompt = shared + random_tokens(rng, tokens, sibling_tail_length(p.units))
             turn = planned_turn(
                 p, "sibling", PlannedTurn(index, len(prompt), len(shared))
             )

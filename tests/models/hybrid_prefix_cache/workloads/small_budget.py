@@ -1,9 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The reference conversation under a small prefill budget: hits and
-outputs equal those under the default budget, and a branch resumes at a
-block boundary only the small budget's chunks wrote (vLLM #51113 named a
-block by a state written short of it)."""
+"""The reference conversation under a small prefill budget: hits and outputs equal
+the default budget's, and a branch resumes at a block boundary only the small
+budget's chunks wrote (vLLM #51113 named a block by a state written short of it)."""
 
 import random
 from collections.abc import Sequence
@@ -22,10 +21,7 @@ from tests.models.hybrid_prefix_cache.harness.conversation import (
     reference_conversation,
     run_conversations,
 )
-from tests.models.hybrid_prefix_cache.harness.deployment import (
-    Units,
-    with_serve_args,
-)
+from tests.models.hybrid_prefix_cache.harness.deployment import Units, with_serve_args
 from tests.models.hybrid_prefix_cache.harness.paths import PathNoise, pairs_noise
 from tests.models.hybrid_prefix_cache.harness.records import CaseRecord
 from tests.models.hybrid_prefix_cache.harness.rules import (
@@ -53,31 +49,26 @@ BRANCH_SHARED_BLOCKS = 2.5
 
 
 def branch_lengths(units: Units) -> tuple[int, int]:
-    """The branch's shared prefix (two and a half blocks: it ends inside a
-    block, short of the first prompt's own checkpoint) and its length (the
-    reference tail past that)."""
+    """The branch's shared prefix, ending inside a block short of the first prompt's
+    own checkpoint, and its length (the reference tail past that)."""
     shared = int(BRANCH_SHARED_BLOCKS * units.block)
     return shared, shared + FIRST_PROMPT_TAIL
 
 
 def branch_checkpoint(shared: int, units: Units, drops_unit: bool) -> int:
-    """Where a branch off a prompt prefilled under :func:`served_budget` resumes:
-    the last block boundary it shares (less the drafter's unit). Each chunk
-    ends on the next block, where the worker writes the state that, retained a
-    block apart, MambaManager.cache_blocks names by the block's hash."""
+    """The last block boundary a branch off a prompt prefilled under
+    :func:`served_budget` shares, less the drafter's unit: each chunk ends on a
+    block, whose state, retained, MambaManager.cache_blocks names by its hash."""
     checkpoint = shared // units.block * units.block
     return max(checkpoint - (units.hit if drops_unit else 0), 0)
 
 
 def small_budget_args(units: Units) -> tuple[str, ...]:
-    """The servers' budget and a retention of one block
-    (config/cache.py prefix_cache_retention_interval; the default 0 keeps only
-    prompts' own checkpoints)."""
+    """A retention of one block (config/cache.py prefix_cache_retention_interval): the
+    default 0 keeps only prompts' own checkpoints."""
     return (
-        "--max-num-batched-tokens",
-        str(served_budget(units)),
-        "--prefix-cache-retention-interval",
-        str(units.block),
+        *("--max-num-batched-tokens", str(served_budget(units))),
+        *("--prefix-cache-retention-interval", str(units.block)),
     )
 
 
@@ -88,18 +79,15 @@ def budget_problems(
     logprob_atol: float | None,
     exact: bool = False,
 ) -> tuple[PathNoise | None, list[Found]]:
-    """Each turn under ``budget`` held to the same turn under the default
-    budget: the same prompt and hit, and outputs exactly where ``exact``
+    """Each turn under ``budget`` held to the same turn under the default budget:
+    the same prompt and hit, and outputs exactly where ``exact``
     (Binding.chunk_invariant; the recomputes too), else within the noise of the
-    two budgets' recomputes. Returns that noise, or None, and what each of
-    ``turns`` found, in order."""
+    two budgets' recomputes. Returns that noise and what each turn found."""
     found = [Found() for _ in turns]
     if len(turns) != len(defaults):
-        found[-1] += Found(
-            (
-                f"{len(turns)} turns under a budget of {budget}, {len(defaults)} "
-                f"under the default",
-            )
+        found[-1] += _problem(
+            f"{len(turns)} turns under a budget of {budget}, {len(defaults)} "
+            f"under the default"
         )
     pairs = [
         (i, turn.recompute, default.recompute)
@@ -113,31 +101,26 @@ def budget_problems(
             why, seen = compare(turns[i].name, small, default, names, tolerance, True)
             found[i] += seen
             if why:
-                apart = (
+                found[i] += _problem(
                     f"{turns[i].name}: the cold recompute under a budget of "
                     f"{budget} differs from the one under the default budget, "
                     f"{why}: where a prefill's chunks end changes its arithmetic"
                 )
-                found[i] += Found((apart,))
     else:
         noise = pairs_noise([(small, default) for _, small, default in pairs])
         tolerance = None if noise is None else noise.held_to(logprob_atol)
     names = (f"hit at budget {budget}", "hit at the default budget")
     for i, (turn, default) in enumerate(zip(turns, defaults)):
         if turn.prompt != default.prompt:
-            found[i] += Found(
-                (
-                    f"{turn.name}: its prompt is not the default budget's (an "
-                    f"earlier output parted from it)",
-                )
+            found[i] += _problem(
+                f"{turn.name}: its prompt is not the default budget's (an "
+                f"earlier output parted from it)"
             )
             continue
         if turn.restored != default.restored:
-            found[i] += Found(
-                (
-                    f"{turn.name}: cached {turn.restored} under a budget of "
-                    f"{budget}, {default.restored} under the default",
-                )
+            found[i] += _problem(
+                f"{turn.name}: cached {turn.restored} under a budget of "
+                f"{budget}, {default.restored} under the default"
             )
         if turn.output is None or default.output is None:
             continue
@@ -147,23 +130,22 @@ def budget_problems(
         found[i] += seen
         if why:
             held = "exactly" if exact else f"{noise}, the two budgets' recomputes"
-            apart = (
+            found[i] += _problem(
                 f"{turn.name}: the hit, {turn.restored} tokens restored, differs "
                 f"from the same hit under the default budget, {why} ({held})"
             )
-            found[i] += Found((apart,))
     return noise, found
 
 
+def _problem(why: str) -> Found:
+    return Found((why,))
+
+
 def play(run: WorkloadRun) -> CaseRecord:
-    """The cell's reference conversation on servers of its own that schedule
-    :func:`served_budget` tokens a step and retain the states their chunks
-    write a block apart, held turn by turn to the cell's reference case
-    (played here first if the session has none): the same hits, and outputs
-    exactly where chunk ends do not change the arithmetic
-    (Binding.chunk_invariant), else within the two budgets' recompute noise.
-    Then a branch off its first prompt resumes where only the small budget's
-    chunks wrote (:func:`branch_checkpoint`)."""
+    """The reference conversation on servers that schedule :func:`served_budget`
+    tokens a step and retain states a block apart, held turn by turn to the cell's
+    reference case (played here first if the session has none), then a branch off
+    its first prompt (:func:`branch_checkpoint`)."""
     __tracebackhide__ = True
     suite, case_id, binding = run.suite, run.case_id, run.binding
     deployment, mode = run.deployment, run.mode
@@ -177,10 +159,8 @@ def play(run: WorkloadRun) -> CaseRecord:
     assert default.units is not None
     budget = served_budget(default.units)
     served = with_serve_args(deployment, small_budget_args(default.units))
-    with (
-        run.session() as case,
-        case.serve(binding, served, mode, suite.pool) as play,
-    ):
+    with run.session() as case, case.serve(binding, served, mode, suite.pool) as play:
+        turns = case.turns
         if not default.ok:
             case.add(
                 problem=f"the default budget's case {default_id} failed, so "
@@ -194,19 +174,15 @@ def play(run: WorkloadRun) -> CaseRecord:
         # The default case's seed: the same prompts, as long as each turn's
         # output is the same.
         conversation = reference_conversation(play.units, default_id)
-        run_conversations(play, [conversation], case.turns)
+        run_conversations(play, [conversation], turns)
         noise, found = budget_problems(
-            case.turns,
-            default.turns,
-            budget,
-            binding.logprob_atol,
-            binding.chunk_invariant,
+            turns, default.turns, budget, binding.logprob_atol, binding.chunk_invariant
         )
-        take_each(case.turns, found)
+        take_each(turns, found)
         play.noise = play.noise or noise
         # A branch off the first prompt, under its salt: it resumes at a
         # block boundary whose state only the small budget's chunks wrote.
-        first = case.turns[0]
+        first = turns[0]
         shared, length = branch_lengths(play.units)
         rng = random.Random(f"{case_id}-branch")
         prompt = first.prompt[:shared]
