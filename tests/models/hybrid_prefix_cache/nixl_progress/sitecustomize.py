@@ -1,10 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""A poll delay (HYBRID_PC_NIXL_PROGRESS_DELAY_US, microseconds) for NIXL's UCX
-progress thread in the CPU tier's P/D servers, imported first via PYTHONPATH.
-NIXL's ``_api.py`` hardcodes ``pthrDelay = 0``, so the thread spins a whole
-core (nixlUcxSharedThread); with a delay it still wakes on a UCX event, and
-vLLM (nixl/base_worker.py) is unchanged."""
+"""A poll delay (DELAY_ENV, microseconds) for NIXL's UCX progress thread, imported first
+via PYTHONPATH, vLLM's nixl/base_worker.py unchanged: NIXL's ``_api.py`` hardcodes
+``pthrDelay = 0``, so the thread spins a core (nixlUcxSharedThread)."""
 
 import importlib.abc
 import importlib.machinery
@@ -26,7 +24,7 @@ class _Bindings:
         return getattr(self._bindings, name)
 
     def nixlAgent(self, name, config):  # noqa: N802 - NIXL's name
-        config.pthrDelay = self._delay_us
+        config.pthrDelay = self._delay_us  # delayed, it still wakes on a UCX event
         print(
             f"nixl_progress: agent {name}: progress thread poll delay "
             f"{self._delay_us} us ({DELAY_ENV})",
@@ -49,11 +47,10 @@ class _AgentModuleFinder(importlib.abc.MetaPathFinder):
         if spec is None or spec.loader is None:
             return spec
         run = spec.loader.exec_module
-        delay_us = self.delay_us
 
         def exec_module(module) -> None:
             run(module)
-            module.nixlBind = _Bindings(module.nixlBind, delay_us)
+            module.nixlBind = _Bindings(module.nixlBind, self.delay_us)
 
         spec.loader.exec_module = exec_module
         return spec

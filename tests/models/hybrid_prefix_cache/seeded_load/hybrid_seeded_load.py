@@ -1,10 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The load format ``hybrid_seeded``: seeded weights like the tiny model's, with
-no checkpoint on disk, where dummy weights hide the recurrent state
-(findings/tiny-hybrid-state.md). Values depend on seed and name only, so ranks
-agree. Registered as a vLLM general plugin (vllm/plugins/__init__.py
-load_general_plugins) by this folder's dist-info."""
+"""The load format ``hybrid_seeded``: seeded weights like the tiny model's, with no
+checkpoint on disk, where dummy weights hide the recurrent state
+(findings/tiny-hybrid-state.md). Values depend on seed and name only, so ranks agree."""
 
 import zlib
 
@@ -16,10 +14,6 @@ SEED = 1234
 STD = 0.02
 DECAY_RATE_RANGE = (0.001, 0.1)
 LM_HEAD_GAIN = 10.0
-
-
-def _generator(name: str, seed: int, device: torch.device) -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(seed ^ zlib.crc32(name.encode()))
 
 
 def _neutral_norm(module: nn.Module, weight: nn.Parameter) -> float:
@@ -48,10 +42,10 @@ def seeded_values(
     if not param.is_floating_point():
         return None
     device = param.device
-    generator = _generator(name, seed, device)
-    shape = tuple(param.shape)
+    salt = zlib.crc32(name.encode())
+    generator = torch.Generator(device=device).manual_seed(seed ^ salt)
     leaf = name.rsplit(".", 1)[-1]
-    empty = torch.empty(shape, dtype=torch.float32, device=device)
+    empty = torch.empty(tuple(param.shape), dtype=torch.float32, device=device)
     if leaf == "A_log":
         low, high = DECAY_RATE_RANGE
         return empty.uniform_(low, high, generator=generator).log()
@@ -75,22 +69,20 @@ def seeded_init(model: nn.Module, seed: int = SEED) -> int:
     count = 0
     for name, param in model.named_parameters():
         values = seeded_values(name, param, owners[name], seed)
-        if values is None:
-            continue
-        with torch.no_grad():
-            param.copy_(values.to(dtype=param.dtype))
-        count += 1
+        if values is not None:
+            with torch.no_grad():
+                param.copy_(values.to(dtype=param.dtype))
+            count += 1
     return count
 
 
 def register() -> None:
-    """The general plugin: register the load format (maybe called twice)."""
+    """The general plugin (vllm/plugins/__init__.py load_general_plugins, by this
+    folder's dist-info): register the load format (maybe called twice)."""
     import vllm.model_executor.model_loader as model_loader
     from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
 
     class SeededModelLoader(DummyModelLoader):
-        """The dummy loader's model, then :func:`seeded_init` over it."""
-
         def load_weights(self, model: nn.Module, model_config) -> None:
             super().load_weights(model, model_config)
             seeded_init(model)
