@@ -63,7 +63,12 @@ def close_window(
     deltas, problems, drafts = {}, [], 0.0
     routes = expected_requests(len(window.servers), turns)
     for server, before, mark, unanswered, route in zip(
-        window.servers, window.counters, window.marks, window.unanswered, routes
+        window.servers,
+        window.counters,
+        window.marks,
+        window.unanswered,
+        routes,
+        strict=True,
     ):
         spec = server.spec
         ledger = server.answered_since(mark) + unanswered
