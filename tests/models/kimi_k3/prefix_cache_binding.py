@@ -8,24 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from tests.models.hybrid_prefix_cache import seeded_load
-from tests.models.hybrid_prefix_cache.harness import (
-    Binding,
-    Deployment,
-    Drafting,
-    Instance,
-    Known,
-    Matrix,
-    Mode,
-    cpu_offload,
-    exact_budget,
-    finding,
-    holds_for,
-    kv_connector,
-    matrix_modes,
-    multi_connector,
-    with_serve_args,
-)
+from tests.models.hybrid_prefix_cache import harness, seeded_load
+from tests.models.hybrid_prefix_cache.harness import Deployment, Instance, Known, Mode
 from tests.models.hybrid_prefix_cache.workloads import aligned, pd_resend
 from vllm.platforms import current_platform
 
@@ -38,7 +22,6 @@ DRAFT = os.environ.get(
 
 PARTIAL_UNIT = 128
 GiB = 1 << 30
-STARTUP_TIMEOUT = 1200.0
 
 # Seeded weights, under which a wrong restored state shows (not under vLLM's dummy
 # ones: test_sensitivity.py); KIMI_K3_PREFIX_CACHE_LOAD_FORMAT=dummy serves those.
@@ -65,11 +48,10 @@ DSPARK = {
     "rejection_sample_method": "block",
 }
 
-NIXL = kv_connector("NixlConnector")
-# SimpleCPUOffloadConnector as the Kimi-K3 recipe configures it.
-OFFLOAD = cpu_offload(32 * GiB)
-NIXL_OFFLOAD = multi_connector(NIXL, OFFLOAD)
-MOONCAKE_STORE = kv_connector(
+NIXL = harness.kv_connector("NixlConnector")
+OFFLOAD = harness.cpu_offload(32 * GiB)
+NIXL_OFFLOAD = harness.multi_connector(NIXL, OFFLOAD)
+MOONCAKE_STORE = harness.kv_connector(
     "MooncakeStoreConnector",
     {"load_async": True, "lookup_async": True, "enable_cross_layers_blocks": False},
     kv_load_failure_policy="recompute",
@@ -81,16 +63,18 @@ MOONCAKE_PROTOCOL = os.environ.get("MOONCAKE_PROTOCOL", "rdma")
 MOONCAKE_LEASE_TTL_MS = 60_000
 MOONCAKE_ENV = {"MC_MAX_MR_SIZE": str(4 * GiB)}
 
-MODES = matrix_modes(PARTIAL_UNIT, "dspark", DSPARK)
+MODES = harness.matrix_modes(PARTIAL_UNIT, "dspark", DSPARK)
 
 # DSpark by release, as upstream's Kimi-K3 test states it: 0.32 drops the trailing
 # hit unit; 0.33 keeps it (config/speculative.py needs_eagle_block_drop).
-DRAFTER_RULES = {"<0.33": Drafting(drops_unit=True), ">=0.33": Drafting()}
+DRAFTER_RULES = {
+    "<0.33": harness.Drafting(drops_unit=True),
+    ">=0.33": harness.Drafting(),
+}
 
 
-def drafter_rule() -> Drafting:
-    """The stated rule of :data:`DRAFTER_RULES` for the vLLM under test."""
-    (rule,) = [r for releases, r in DRAFTER_RULES.items() if holds_for(releases)]
+def drafter_rule() -> harness.Drafting:
+    (rule,) = [r for when, r in DRAFTER_RULES.items() if harness.holds_for(when)]
     return rule
 
 
@@ -120,13 +104,11 @@ DEPLOYMENTS = {
 # its evidence (harness/session.py), so a fix shows as a strict XPASS.
 _DCP_SPEC = Known(
     "xfail",
-    "FlashInfer MLA DCP decode breaks on ragged spec batches (vLLM #59392): "
-    "with DSpark drafts under DCP, the cute-dsl decode that the DCP branch of "
-    "v1/attention/backends/mla/flashinfer_mla.py (FlashInferMLAImpl."
-    "forward_mqa) selects rejects its per-request causal_seqlens_kv_global, "
-    "and the engine dies",
-    # FlashInfer's error as seen on GB200, less the batch's shapes; found in the
-    # failing server's log (session.failure_text) wherever the crash surfaces.
+    "FlashInfer MLA DCP decode breaks on ragged spec batches (vLLM #59392): with "
+    "DSpark drafts under DCP, the cute-dsl decode that the DCP branch of "
+    "v1/attention/backends/mla/flashinfer_mla.py (FlashInferMLAImpl.forward_mqa) "
+    "selects rejects its per-request causal_seqlens_kv_global, and the engine dies",
+    # FlashInfer's error on GB200 less the shapes, in the failing server's log.
     evidence="causal_seqlens_kv_global must have shape",
     # 0.34.0 repairs it (mla/flashinfer_mla.py); upstream's test drops these cells.
     releases="<0.34",
@@ -134,24 +116,20 @@ _DCP_SPEC = Known(
 HOST_LOSS_RELEASES = "<0.34"
 # What vLLM's scheduler, replayed at the B200 geometry on any machine, does not
 # do of a workload (Known.replayed): the scheduler tier's, on every platform.
-_REPLAYED = {
-    "dcp2-offload-partial-aligned": (
-        Known(
-            "xfail",
-            "DCP2 with CPU offload in partial mode: after a first prompt that "
-            "ends exactly on a block (three blocks), the next turn, its device "
-            "cache reset, restores nothing from the host where the prompt's "
-            "checkpoint one hit unit inside its last block should be; the same "
-            "prompt's checkpoint is restored without DCP (offload-partial) and "
-            "after an unaligned prompt (the reference turns, as on B200). The "
-            "offload scheduler's store of that state under DCP "
-            "(offloading/scheduler.py) is where to look",
-            found=finding("scheduler-hit", "exact turn 1", hit=0),
-            # 0.34.0's scheduler restores it (a strict XPASS there).
-            releases=HOST_LOSS_RELEASES,
-        ),
-    ),
-}
+_HOST_LOSS = Known(
+    "xfail",
+    "DCP2 with CPU offload in partial mode: after a first prompt that ends exactly "
+    "on a block (three blocks), the next turn, its device cache reset, restores "
+    "nothing from the host where the prompt's checkpoint one hit unit inside its "
+    "last block should be; the same prompt's checkpoint is restored without DCP "
+    "(offload-partial) and after an unaligned prompt (the reference turns, as on "
+    "B200). The offload scheduler's store of that state under DCP "
+    "(offloading/scheduler.py) is where to look",
+    found=harness.finding("scheduler-hit", "exact turn 1", hit=0),
+    # 0.34.0's scheduler restores it (a strict XPASS there).
+    releases=HOST_LOSS_RELEASES,
+)
+_REPLAYED = {"dcp2-offload-partial-aligned": (_HOST_LOSS,)}
 KNOWN: dict[str, dict[str, tuple[Known, ...]]] = {
     "sm100": {
         **{
@@ -176,18 +154,14 @@ MOONCAKE_RESEND_LENGTH = 7449
 def _platform() -> str | None:
     if current_platform.is_cuda() and current_platform.is_device_capability_family(100):
         return "sm100"
-    if current_platform.is_rocm() and _rocm_mx():
-        return "mi355"
-    return None
-
-
-def _rocm_mx() -> bool:
-    """Whether this ROCm GPU runs MX: Platform.supports_mx (0.34+), else gfx950."""
+    if not current_platform.is_rocm():
+        return None
+    # An MI355 runs MX: Platform.supports_mx (0.34+), else gfx950.
     if hasattr(current_platform, "supports_mx"):
-        return current_platform.supports_mx()
+        return "mi355" if current_platform.supports_mx() else None
     from vllm.platforms.rocm import on_gfx950
 
-    return on_gfx950()
+    return "mi355" if on_gfx950() else None
 
 
 PLATFORM = _platform()
@@ -215,26 +189,25 @@ KIMI_BLOCKS = {
 def stated_block(instance: Instance, mode: Mode) -> int | str:
     """The stated block of ``instance`` in ``mode``, or why there is none."""
     dspark = mode.spec is not None
-    block = KIMI_BLOCKS.get((instance.tp, dspark))
-    if block is not None:
+    if (block := KIMI_BLOCKS.get((instance.tp, dspark))) is not None:
         return block
     what = f"TP{instance.tp}" + (f" with DCP{instance.dcp}" if instance.dcp > 1 else "")
     return (
         f"no B200 geometry for a Kimi-K3 instance at {what}"
-        f"{' drafting with DSpark' if dspark else ''}: its cache block (the "
-        f"smallest whose MLA page holds the per-rank KDA state) was never "
-        f"observed; a B200 turn table of such a cell gives it (first prompt = "
-        f"3 * block + 37): add it to KIMI_BLOCKS"
+        f"{' drafting with DSpark' if dspark else ''}: its cache block (the smallest "
+        "whose MLA page holds the per-rank KDA state) was never observed; a B200 "
+        "turn table of such a cell gives it (first prompt = 3 * block + 37): add it "
+        "to KIMI_BLOCKS"
     )
 
 
-BINDING = Binding(
+BINDING = harness.Binding(
     model=MODEL,
     base_args=BASE_ARGS,
     # Any id of the tokenizer's ordinary range; generated weights do not care.
     token_ids=(1000, 100_000),
     env=dict(seeded_load.ENV) if LOAD_FORMAT == seeded_load.LOAD_FORMAT else {},
-    startup_timeout=STARTUP_TIMEOUT,
+    startup_timeout=1200.0,
     # Exact at one block a step (served): a boundary hit and its recompute share
     # chunks; a hit inside a block is held to measured noise.
     logprob_atol=0.0,
@@ -243,13 +216,13 @@ BINDING = Binding(
 )
 
 
-def served(case_id: str) -> tuple[Binding, Deployment, Mode]:
+def served(case_id: str) -> tuple[harness.Binding, Deployment, Mode]:
     """The binding, deployment and mode of ``case_id`` as served (:func:`exact`)."""
     deployment, mode = MATRIX.served(case_id)
     return (*exact(deployment, mode), mode)
 
 
-def exact(deployment: Deployment, mode: Mode) -> tuple[Binding, Deployment]:
+def exact(deployment: Deployment, mode: Mode) -> tuple[harness.Binding, Deployment]:
     """``deployment`` scheduling one block a step (harness.exact_budget) where its
     block is stated; else at vLLM's default budget, held by check_logprobs_close
     alone (a hit and its recompute are cut into other chunks: vLLM #33123)."""
@@ -257,8 +230,8 @@ def exact(deployment: Deployment, mode: Mode) -> tuple[Binding, Deployment]:
     block = blocks.pop() if len(blocks) == 1 else "instances of other blocks"
     if isinstance(block, str):
         return replace(BINDING, logprob_atol=None, exact_on_blocks=False), deployment
-    budget = ("--max-num-batched-tokens", str(exact_budget(block)))
-    return BINDING, with_serve_args(deployment, budget)
+    budget = ("--max-num-batched-tokens", str(harness.exact_budget(block)))
+    return BINDING, harness.with_serve_args(deployment, budget)
 
 
 # Workloads on each cell's running servers, where a case costs less than a start;
@@ -271,25 +244,21 @@ def _listed(key: str) -> bool:
     return any(known.holds() for known in KNOWN["sm100"].get(key, ()))
 
 
-def _aligned_cells() -> tuple[str, ...]:
-    # Not served where the cell crashes, or where vLLM's scheduler already
-    # loses the workload (_REPLAYED).
-    return tuple(
-        cell
+WORKLOADS = {
+    # Not served where the cell crashes, or where vLLM's scheduler already loses
+    # the workload (_REPLAYED).
+    "aligned": tuple(
+        f"{deployment}-{mode}"
         for deployment in ("offload", "dcp2-offload", *PD_DEPLOYMENTS)
         for mode in MODES
-        if not _listed(cell := f"{deployment}-{mode}")
-        and not _listed(f"{cell}-aligned")
-    )
-
-
-WORKLOADS = {
-    "aligned": _aligned_cells(),
+        if not _listed(f"{deployment}-{mode}")
+        and not _listed(f"{deployment}-{mode}-aligned")
+    ),
     "pd-resend": tuple(
         f"{deployment}-{mode}" for deployment in PD_DEPLOYMENTS for mode in MODES
     ),
 }
-MATRIX = Matrix(
+MATRIX = harness.Matrix(
     DEPLOYMENTS,
     MODES,
     KNOWN[PLATFORM or "sm100"],

@@ -14,13 +14,11 @@ class _Collected:
 
 
 def collected_ids(args: list[str]) -> list[str]:
-    """The node ids ``pytest --collect-only args`` selects, in about a second,
-    where a fresh interpreter spends ten or more importing vLLM again. Paths
-    must be absolute."""
+    """The node ids ``pytest --collect-only args`` (absolute paths) selects, in a
+    second where a fresh interpreter spends ten or more importing vLLM again."""
     collected = _Collected()
     code = pytest.main(
-        ["--collect-only", "-q", "-p", "no:cacheprovider", *args],
-        plugins=[collected],
+        ["--collect-only", "-q", "-p", "no:cacheprovider", *args], plugins=[collected]
     )
     assert code == pytest.ExitCode.OK, f"collecting {args} ended with {code!r}"
     return collected.ids

@@ -14,14 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.models.hybrid_prefix_cache.harness import (
-    ServerPool,
-)
-from tests.models.kimi_k3.prefix_cache_binding import (
-    MOONCAKE_DEVICE,
-    MOONCAKE_LEASE_TTL_MS,
-    MOONCAKE_PROTOCOL,
-)
+from tests.models.hybrid_prefix_cache.harness import ServerPool
+from tests.models.kimi_k3 import prefix_cache_binding as kimi
 from vllm.utils.network_utils import get_open_port
 
 
@@ -39,16 +33,12 @@ def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float) -> None:
 
 @contextlib.contextmanager
 def mooncake_master(folder: Path, pool: ServerPool) -> Iterator[str]:
-    """A real ``mooncake_master`` on a free port, and a client config for it
-    in ``folder``. On exit, the servers in ``pool`` (the store's clients)
-    are stopped before the master: the pool would otherwise keep them
-    running against a dead master until the session ends.
-
-    install-kv-connectors.sh installs Mooncake in the step that runs this
-    module, so a missing master fails the case rather than skipping it.
-    """
+    """A real ``mooncake_master`` on a free port, and a client config for it in
+    ``folder``. On exit the store's servers in ``pool`` stop first: the pool would
+    keep them running against a dead master until the session ends."""
     master = shutil.which("mooncake_master")
     if master is None:
+        # install-kv-connectors.sh installs Mooncake in this module's step: fail.
         pytest.fail(
             "mooncake_master is not on PATH: run "
             ".buildkite/scripts/install-kv-connectors.sh first",
@@ -63,7 +53,7 @@ def mooncake_master(folder: Path, pool: ServerPool) -> Iterator[str]:
                 f"--port={port}",
                 f"--metrics_port={metrics_port}",
                 "--enable_metric_reporting=false",
-                f"--default_kv_lease_ttl={MOONCAKE_LEASE_TTL_MS}",
+                f"--default_kv_lease_ttl={kimi.MOONCAKE_LEASE_TTL_MS}",
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -73,20 +63,16 @@ def mooncake_master(folder: Path, pool: ServerPool) -> Iterator[str]:
             _wait_for_port(port, proc, timeout=60)
         except RuntimeError as e:
             raise RuntimeError(f"{e}\n{log_path.read_text(errors='replace')}") from None
-        config = folder / "mooncake.json"
-        config.write_text(
-            json.dumps(
-                {
-                    "metadata_server": "P2PHANDSHAKE",
-                    "master_server_address": f"127.0.0.1:{port}",
-                    "protocol": MOONCAKE_PROTOCOL,
-                    "device_name": MOONCAKE_DEVICE,
-                    "global_segment_size": "4GB",
-                    "local_buffer_size": "1GB",
-                }
-            )
-        )
-        yield str(config)
+        config = {
+            "metadata_server": "P2PHANDSHAKE",
+            "master_server_address": f"127.0.0.1:{port}",
+            "protocol": kimi.MOONCAKE_PROTOCOL,
+            "device_name": kimi.MOONCAKE_DEVICE,
+            "global_segment_size": "4GB",
+            "local_buffer_size": "1GB",
+        }
+        (folder / "mooncake.json").write_text(json.dumps(config))
+        yield str(folder / "mooncake.json")
     finally:
         try:
             pool.close()

@@ -13,10 +13,9 @@ from tests.models.hybrid_prefix_cache.scheduler.cell import Build, ReplayTier, S
 from tests.models.hybrid_prefix_cache.tiny_hybrid import TinyHybrid
 from tests.models.kimi_k3 import prefix_cache_binding as kimi
 
-# What a B200 server runs with that its scheduler reads: vLLM's default
-# budget for a GPU of 160 GB or more (EngineArgs.get_batch_defaults), the
-# matrix's --max-num-seqs, asynchronous scheduling (CUDA's default), and a
-# pool where nothing is evicted.
+# A B200 server's scheduler settings: vLLM's default budget for a GPU of 160 GB or
+# more (EngineArgs.get_batch_defaults), the matrix's --max-num-seqs, asynchronous
+# scheduling (CUDA's default), and a pool where nothing is evicted.
 KIMI_SETTINGS = {
     "max_model_len": 32768,
     "max_num_batched_tokens": 16384,
@@ -24,9 +23,9 @@ KIMI_SETTINGS = {
     "async_scheduling": True,
     "num_blocks": 2048,
 }
-# KDA saves the prompt's checkpoint inside the last chunk with FlashKDA
-# (alignment 16), not with the Triton prefill; a B200 may run either, so
-# every Kimi cell replays both (kda_prefill_checkpoint_alignment).
+# KDA saves the prompt's checkpoint inside the last chunk with FlashKDA (alignment
+# 16), not the Triton prefill; a B200 may run either, so every Kimi cell replays
+# both (kda_prefill_checkpoint_alignment).
 KDA_CHECKPOINTS = {"flashkda": 16, "triton": None}
 
 
@@ -37,8 +36,7 @@ def kimi_engines(
     kda_checkpoint: int | None,
     **overrides,
 ) -> list[scheduler.Engine]:
-    """The engines of a Kimi-K3 cell at its stated block (skips where none
-    is stated)."""
+    """The engines of a Kimi-K3 cell at its stated block (skips where none is)."""
     settings = {**KIMI_SETTINGS, **overrides}
     engines = []
     for instance in deployment.instances:

@@ -35,7 +35,6 @@ try:
 except ImportError:  # a release whose tests/utils.py has none (0.26)
 
     def _redact_sensitive_cli_args(args):
-        """``args`` with secret-named flags' values shown as ***."""
         secret = ("key", "token", "secret", "password")
         shown, hide = [], False
         for arg in args:
@@ -50,10 +49,7 @@ except ImportError:  # a release whose tests/utils.py has none (0.26)
         return shown
 
 
-HEALTH_POLL_INTERVAL = 0.5
 LOG_TAIL_LINES = 60
-# hybrid models transfer their conv state in the DS layout
-PD_ENV = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
 # where records and server logs go
 REPORT_DIR_ENV = "HYBRID_PC_REPORT_DIR"
 
@@ -66,8 +62,7 @@ def report_folder(create: bool = True) -> Path:
 
 
 class ServerError(AssertionError):
-    """A server failed to start, died, or did not answer. ``log`` is the
-    server's whole log, kept at ``log_path``; the message quotes its tail."""
+    """A server failed to start, died or did not answer; ``log``: its whole log."""
 
     def __init__(self, message: str, log: str = "", log_path: Path | None = None):
         super().__init__(message)
@@ -108,16 +103,17 @@ def server_specs(
     binding: Binding, deployment: Deployment, mode: Mode
 ) -> tuple[ServerSpec, ...]:
     """The servers of ``deployment`` in ``mode``, prefiller first."""
-    names = ("serve",) if deployment.prefill is None else ("prefill", "decode")
+    pd = deployment.prefill is not None
+    names = ("prefill", "decode") if pd else ("serve",)
     specs = []
-    for name, instance, devices in zip(
-        names, deployment.instances, device_ranges(deployment)
-    ):
+    ranges = device_ranges(deployment)
+    for name, instance, devices in zip(names, deployment.instances, ranges):
         env = {**binding.env, **instance.env}
         if deployment.offload:
             env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache
-        if deployment.prefill is not None:
-            env.update(PD_ENV)
+        if pd:
+            # Hybrid models transfer their conv state in the DS layout.
+            env["VLLM_SSM_CONV_STATE_LAYOUT"] = "DS"
             if binding.visible_devices_env is not None:
                 env[binding.visible_devices_env] = ",".join(map(str, devices))
         specs.append(
@@ -126,7 +122,7 @@ def server_specs(
                 model=binding.model,
                 args=tuple(server_args(binding, instance, mode)),
                 env=tuple(sorted(env.items())),
-                side_channel_port=deployment.prefill is not None,
+                side_channel_port=pd,
                 prefix_caching=instance.prefix_caching,
                 connector=instance.kv_config is not None,
             )
@@ -144,12 +140,6 @@ def layered_env(inherited: Mapping[str, str], own: Mapping[str, str]) -> dict[st
     return env
 
 
-def log_folder() -> Path:
-    folder = report_folder() / "server-logs"
-    folder.mkdir(exist_ok=True)
-    return folder
-
-
 class Server(RemoteOpenAIServer):
     """``vllm serve`` logged to a file, health-waited by the caller (so several
     start at once), appended to ``launched`` for leak checks."""
@@ -163,11 +153,12 @@ class Server(RemoteOpenAIServer):
     ) -> None:
         self.spec = spec
         self.startup_timeout = startup_timeout
-        self.log_path = log_folder() / f"{spec.name}-{uuid.uuid4().hex[:8]}.log"
+        logs = report_folder() / "server-logs"
+        logs.mkdir(exist_ok=True)
+        self.log_path = logs / f"{spec.name}-{uuid.uuid4().hex[:8]}.log"
         self.launched = time.monotonic()
         self.startup_seconds: float | None = None
-        # Every completion it answered, as the client books it (book_answer);
-        # a case's counter window reads those since it opened.
+        # Every completion it answered (book_answer), for the counter windows.
         self._answers: list[Ledger] = []
         self._answers_lock = threading.Lock()
         # Every process seen in the server's group while it ran.
@@ -175,11 +166,9 @@ class Server(RemoteOpenAIServer):
         self._launched = launched
         env = dict(spec.env)
         if spec.side_channel_port:
-            # Below the ephemeral range too: on the GPU tier, 14 servers
-            # starting side by side, a decoder's side channel drawn from it
-            # was taken before NIXL bound it (EADDRINUSE), and 0.34.0's
-            # engine then waits for its dead listener thread for ever
-            # (nixl/base_scheduler.py ready_event.wait(), no timeout).
+            # Below the ephemeral range too: with 14 servers starting, one drawn from
+            # it was taken before NIXL bound it, and 0.34.0's engine then waits for
+            # its dead listener for ever (nixl/base_scheduler.py ready_event.wait()).
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(internal_port_base())
         env.setdefault("VLLM_PORT", str(internal_port_base()))
         args = list(spec.args) + ([] if port is None else ["--port", str(port)])
@@ -194,13 +183,13 @@ class Server(RemoteOpenAIServer):
     def _start_server(
         self, model: str, vllm_serve_args: list[str], env_dict: dict[str, str] | None
     ) -> None:
+        # Overridden: RemoteOpenAIServer takes no log file, and replaces PYTHONPATH.
         # The test process may have initialized a device; never fork it.
         inherited = {**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
         env = layered_env(inherited, env_dict or {})
         _sanitize_pythonpath_env(env)
         command = ["vllm", "serve", model, *vllm_serve_args]
-        # What is shown (here, and in every failure) hides secrets in the
-        # arguments, as RemoteOpenAIServer._start_server does.
+        # Secrets hidden here and in failures, as RemoteOpenAIServer._start_server does.
         self.command = _redact_sensitive_cli_args(command)
         print(f"[{self.spec.name}] {' '.join(self.command)}  (log: {self.log_path})")
         log = open(self.log_path, "wb")  # noqa: SIM115 - closed by the copier
@@ -234,29 +223,39 @@ class Server(RemoteOpenAIServer):
                     os.write(1, prefix + line)
 
     def _wait_for_server(self, *, url: str, timeout: float) -> None:
-        # Deferred: start_servers() waits, for one or several servers.
+        # Overridden, no public switch: start_servers() waits, for several at once.
         self.health_url = url
 
     def _get_gpu_memory_used(self) -> float | None:
-        # RemoteVLLMServer waits at exit for the whole device's memory to fall
-        # back to its level at start; servers of other sessions on the same
-        # GPU (dev/gpu/run_tier.sh lanes) fill it, so only this server's own
-        # processes count here (NVML's per-process list).
+        # Overridden, no public switch: RemoteVLLMServer waits at exit for the
+        # whole device's memory to fall back, which other sessions' servers on
+        # the GPU (dev/gpu/run_tier.sh lanes) hold; count this server's own.
         if not current_platform.is_cuda():
             return None
+        held = 0
         try:
-            return float(sum(gpu_memory_by_pid().get(p, 0) for p in self.seen_pids))
+            from vllm.third_party import pynvml
+
+            pynvml.nvmlInit()
+            try:
+                for i in range(pynvml.nvmlDeviceGetCount()):
+                    handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+                    for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                        if proc.pid in self.seen_pids:
+                            held += proc.usedGpuMemory or 0
+            finally:
+                pynvml.nvmlShutdown()
         except Exception as e:  # NVML missing or refused: the helper's own
             print(f"[{self.spec.name}] no per-process GPU memory ({e})")
             return super()._get_gpu_memory_used()
+        return float(held)
 
     def book_answer(self, entry: Ledger) -> None:
-        """A completion this server answered (from any client thread)."""
         with self._answers_lock:
             self._answers.append(entry)
 
     def answers(self) -> int:
-        """How many completions it answered: a mark for :meth:`answered_since`."""
+        """A mark for :meth:`answered_since`."""
         with self._answers_lock:
             return len(self._answers)
 
@@ -265,60 +264,27 @@ class Server(RemoteOpenAIServer):
             return sum(self._answers[mark:], Ledger())
 
     def pids(self) -> list[int]:
-        """Live processes of the server's group (kept in ``seen_pids``)."""
+        # RemoteVLLMServer lists a process group only in a private helper.
         pids = self._find_pgid_members(self.proc.pid)
         self.seen_pids.update(pids)
         return pids
 
-    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError as e:
-            return f"(no log: {e})"
-        return "\n".join(text.splitlines()[-lines:])
-
     def error(self, what: str) -> ServerError:
-        """A :class:`ServerError` about this server, with its log."""
+        """A :class:`ServerError` about this server, its log's tail quoted."""
         try:
             log = self.log_path.read_text(errors="replace")
-        except OSError:
-            log = ""
-        return ServerError(self.failure(what), log, self.log_path)
-
-    def failure(self, what: str) -> str:
-        """A message about this server that quotes its log tail."""
-        tail = self.log_tail()
+            tail = "\n".join(log.splitlines()[-LOG_TAIL_LINES:])
+        except OSError as e:
+            log, tail = "", f"(no log: {e})"
         hint = ""
         if "Address already in use" in tail or "address already in use" in tail:
             hint = f" (port {self.port} is already in use)"
-        return (
+        message = (
             f"the {self.spec.name} server {what}{hint}.\n"
             f"command: {' '.join(self.command)}\n"
             f"last {LOG_TAIL_LINES} lines of {self.log_path}:\n{tail}"
         )
-
-
-def gpu_memory_by_pid() -> dict[int, int]:
-    """Device memory each process holds, over every visible GPU (NVML)."""
-    from vllm.third_party import pynvml
-
-    pynvml.nvmlInit()
-    try:
-        held: dict[int, int] = {}
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                held[proc.pid] = held.get(proc.pid, 0) + (proc.usedGpuMemory or 0)
-        return held
-    finally:
-        pynvml.nvmlShutdown()
-
-
-def _healthy(server: Server) -> bool:
-    try:
-        return requests.get(server.health_url, timeout=5).status_code == 200
-    except requests.RequestException:
-        return False
+        return ServerError(message, log, self.log_path)
 
 
 def wait_healthy(servers: Sequence[Server]) -> None:
@@ -329,7 +295,11 @@ def wait_healthy(servers: Sequence[Server]) -> None:
             code = server.proc.poll()
             if code is not None:
                 raise server.error(f"exited with code {code} during startup")
-            if _healthy(server):
+            try:
+                healthy = requests.get(server.health_url, timeout=5).status_code == 200
+            except requests.RequestException:
+                healthy = False
+            if healthy:
                 server.startup_seconds = time.monotonic() - server.launched
                 server.pids()
                 print(f"[{server.spec.name}] healthy in {server.startup_seconds:.1f} s")
@@ -339,7 +309,7 @@ def wait_healthy(servers: Sequence[Server]) -> None:
                     f"did not become healthy within {server.startup_timeout:.0f} s"
                 )
         if pending:
-            time.sleep(HEALTH_POLL_INTERVAL)
+            time.sleep(0.5)
 
 
 def start_servers(
@@ -369,7 +339,6 @@ def serve(
     mode: Mode,
     launched: list[Server] | None = None,
 ) -> Iterator[list[Server]]:
-    """Serve ``deployment``'s instances, prefiller first, for the block."""
     servers = start_servers(
         server_specs(binding, deployment, mode),
         binding.startup_timeout,

@@ -15,23 +15,19 @@ from tests.models.hybrid_prefix_cache.harness.workload import Workload
 def package_catalog(
     path: Iterable[str], package: str, kind: type, name_of: Callable, twice: str
 ) -> dict:
-    """Every ``kind`` at the top of the modules of ``package`` (its
-    ``__path__`` and ``__name__``), by ``name_of``, sorted; a name found on
-    two values raises ``twice`` formatted with it."""
+    """Every ``kind`` at the top of the modules of ``package`` (its ``__path__``
+    and ``__name__``), by ``name_of``, sorted; a name of two values raises ``twice``."""
     found: dict = {}
     for info in pkgutil.iter_modules(path):
         module = importlib.import_module(f"{package}.{info.name}")
-        for value in vars(module).values():
-            if isinstance(value, kind) and found.get(name_of(value)) is not value:
-                if name_of(value) in found:
-                    raise ValueError(twice.format(name_of(value)))
-                found[name_of(value)] = value
+        for value in [v for v in vars(module).values() if isinstance(v, kind)]:
+            if found.setdefault(name_of(value), value) is not value:
+                raise ValueError(twice.format(name_of(value)))
     return dict(sorted(found.items()))
 
 
 @functools.cache
 def catalog() -> dict[str, Workload]:
-    """Every workload, by name."""
     return package_catalog(
         __path__, __name__, Workload, lambda w: w.name, "two workloads are named {!r}"
     )

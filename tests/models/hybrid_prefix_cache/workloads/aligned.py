@@ -11,12 +11,9 @@ from tests.models.hybrid_prefix_cache.harness.workload import Workload, Workload
 def play(run: WorkloadRun) -> CaseRecord:
     """The sweep's "exact" shape, with the turns its matrix gives it."""
     __tracebackhide__ = True
+    cell = (run.suite, run.case_id, run.binding, run.deployment, run.mode)
     return run_case(
-        run.suite,
-        run.case_id,
-        run.binding,
-        run.deployment,
-        run.mode,
+        *cell,
         shapes=("exact",),
         known=run.known,
         num_turns=run.num_turns,

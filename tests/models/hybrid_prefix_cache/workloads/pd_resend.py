@@ -5,10 +5,7 @@ is answered, and the decoder's own cache follows the rule of its role."""
 
 from tests.models.hybrid_prefix_cache.harness.cases import run_resend
 from tests.models.hybrid_prefix_cache.harness.compare import Turn
-from tests.models.hybrid_prefix_cache.harness.conversation import (
-    Play,
-    shape_length,
-)
+from tests.models.hybrid_prefix_cache.harness.conversation import Play, shape_length
 from tests.models.hybrid_prefix_cache.harness.deployment import Units
 from tests.models.hybrid_prefix_cache.harness.reconcile import decoder_resend_hit
 from tests.models.hybrid_prefix_cache.harness.records import CaseRecord
@@ -17,15 +14,13 @@ from tests.models.hybrid_prefix_cache.harness.workload import Workload, Workload
 
 
 def resend_length(units: Units) -> int:
-    """The part the prefiller sees, less the tokens the decoder recomputes
-    (nixl/base_scheduler.py _truncate_request_for_prefill; vLLM #53514),
-    ends on a block, so every block of it is cached there."""
+    """The part the prefiller sees, less what the decoder recomputes, ends on a block
+    (nixl/base_scheduler.py _truncate_request_for_prefill; vLLM #53514)."""
     return shape_length("exact", units) + PD_PREFILL_BACKOFF
 
 
 def decoder_problems(resend: Turn, play: Play) -> list[str]:
-    """The decoder's own hit for the resend is its role's rule
-    (:func:`decoder_resend_hit`)."""
+    """The decoder's own hit for the resend is its role's rule."""
     assert resend.output is not None
     hit = resend.output.decoder_hit
     deployment = play.deployment
@@ -46,29 +41,20 @@ def decoder_problems(resend: Turn, play: Play) -> list[str]:
 
 def play(run: WorkloadRun) -> CaseRecord:
     __tracebackhide__ = True
+    cell = (run.suite, run.case_id, run.binding, run.deployment, run.mode)
     return run_resend(
-        run.suite,
-        run.case_id,
-        run.binding,
-        run.deployment,
-        run.mode,
-        resend_length,
-        WORKLOAD.failure,
-        decoder_problems,
-        run.known,
+        *cell, resend_length, WORKLOAD.failure, decoder_problems, run.known
     )
 
 
 WORKLOAD = Workload(
     "pd-resend",
-    "an exact resend under P/D hits its own checkpoint on the "
-    "prefiller and is answered, and the decoder's counters follow the "
-    "rule for its role",
-    "distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py "
-    "(the truncation in on_new_request), v1/kv_cache_interface.py "
-    "get_mamba_prefill_checkpoint_position, nixl/pull_scheduler.py "
-    "NixlPullScheduler.get_num_new_matched_tokens (the decoder pulls "
-    "what its own cache does not hold)",
+    "an exact resend under P/D hits its own checkpoint on the prefiller and is "
+    "answered, and the decoder's counters follow the rule for its role",
+    "distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py (the truncation in "
+    "on_new_request), v1/kv_cache_interface.py get_mamba_prefill_checkpoint_position, "
+    "nixl/pull_scheduler.py NixlPullScheduler.get_num_new_matched_tokens (the decoder "
+    "pulls what its own cache does not hold)",
     play=play,
     # A cold request, then the resend with its recompute.
     turns=2,
