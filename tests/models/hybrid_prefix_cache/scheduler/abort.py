@@ -8,10 +8,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tests.models.hybrid_prefix_cache.harness import client
-from tests.models.hybrid_prefix_cache.harness.conversation import random_tokens
-from tests.models.hybrid_prefix_cache.harness.deployment import Deployment
-from tests.models.hybrid_prefix_cache.harness.reconcile import ledger_entry
+from tests.models.hybrid_prefix_cache.harness import client, conversation, reconcile
+from tests.models.hybrid_prefix_cache.scheduler.cell import ReplayCell
 from tests.models.hybrid_prefix_cache.scheduler.play import hit_and_recompute
 from tests.models.hybrid_prefix_cache.scheduler.servers import STEP_LIMIT, ReplayServer
 from vllm.v1.request import RequestStatus
@@ -28,17 +26,13 @@ class AbortRetry:
 
 
 def play_abort_retry(
-    servers: Sequence[ReplayServer],
-    deployment: Deployment,
-    prompt_len: int,
-    seed: str,
-    token_ids: tuple[int, int],
+    cell: ReplayCell, servers: Sequence[ReplayServer], prompt_len: int
 ) -> AbortRetry:
-    """A cold request aborted mid-prefill as the API server aborts it
-    (Scheduler.finish_requests), then the same prompt and salt, and its recompute.
-    Asynchronously (no P/D) the abort lands with the last checkpoint's chunk in
-    flight (vLLM #56525's race), else after the first chunk."""
-    prompt = random_tokens(random.Random(seed), token_ids, prompt_len)
+    """A cold request aborted mid-prefill (Scheduler.finish_requests), then the same
+    prompt and salt, and its recompute. Asynchronously (no P/D) the abort lands with
+    the last checkpoint's chunk in flight (vLLM #56525), else after the first chunk."""
+    seed = cell.cell_id
+    prompt = conversation.random_tokens(random.Random(seed), cell.token_ids, prompt_len)
     salt = f"abort-{seed}"
     first = servers[0]
     sent = None if len(servers) == 1 else client.PREFILL_KV_TRANSFER_PARAMS
@@ -52,8 +46,7 @@ def play_abort_retry(
         assert first.step(), "the aborted request was never scheduled"
         request = loop.scheduler.requests.get(aborted.request_id)
         assert request is not None, "the request finished before it was aborted"
-    # Scheduled in steps whose outputs the engine has not processed yet
-    # (asynchronous scheduling keeps one in flight).
+    # Scheduled in steps not processed yet (asynchronous scheduling keeps one).
     in_flight = sum(
         out.num_scheduled_tokens.get(aborted.request_id, 0) for out, _ in loop.queue
     )
@@ -61,11 +54,11 @@ def play_abort_retry(
     assert written < prompt_len, "the abort did not land mid-prefill"
     loop.scheduler.finish_requests([aborted.request_id], RequestStatus.FINISHED_ABORTED)
     # Its prompt was looked up and counted at admission; it was cold.
-    first.ledger += ledger_entry(prompt_len, 0, sent)
+    first.ledger += reconcile.ledger_entry(prompt_len, 0, sent)
     if not race:
         first.drain()
     _, hit, recomputed, _ = hit_and_recompute(
-        servers, deployment, prompt, salt, f"recompute-{seed}"
+        servers, cell.deployment, prompt, salt, f"recompute-{seed}"
     )
     for server in servers:
         server.drain()
@@ -75,8 +68,7 @@ def play_abort_retry(
 @dataclass(frozen=True)
 class OverlappingRetry:
     prompt_len: int
-    # The original's tokens scheduled before the retry's first step, and
-    # how far it had got when aborted.
+    # The original's tokens scheduled before the retry's first step, and at its abort.
     written: int
     aborted_at: int
     hit: int
@@ -84,16 +76,13 @@ class OverlappingRetry:
 
 
 def play_overlapping_retry(
-    servers: Sequence[ReplayServer],
-    deployment: Deployment,
-    prompt_len: int,
-    seed: str,
-    token_ids: tuple[int, int],
+    cell: ReplayCell, servers: Sequence[ReplayServer], prompt_len: int
 ) -> OverlappingRetry:
     """A retry sent while its original still prefills, then the original aborted,
     under one salt: the retry is admitted beside one of the original's chunks,
     maybe the one that writes the last checkpoint as it runs. Then its recompute."""
-    prompt = random_tokens(random.Random(seed), token_ids, prompt_len)
+    seed, token_ids = cell.cell_id, cell.token_ids
+    prompt = conversation.random_tokens(random.Random(seed), token_ids, prompt_len)
     salt = f"overlap-{seed}"
     first = servers[0]
     sent = None if len(servers) == 1 else client.PREFILL_KV_TRANSFER_PARAMS
@@ -101,7 +90,7 @@ def play_overlapping_retry(
     original = first.submit(prompt, salt, max_tokens, sent)
     loop = first.routed[original.request_id]
     # Round-robin under DP: a short request for each other engine.
-    filler = random_tokens(random.Random(f"{seed}-pad"), token_ids, 8)
+    filler = conversation.random_tokens(random.Random(f"{seed}-pad"), token_ids, 8)
     pads = [
         first.submit(filler, f"pad-{seed}-{rank}", 1)
         for rank in range(1, len(first.loops))
@@ -126,7 +115,7 @@ def play_overlapping_retry(
     if aborted:
         scheduler.finish_requests([original.request_id], RequestStatus.FINISHED_ABORTED)
         # Its prompt was looked up and counted at admission; it was cold.
-        first.ledger += ledger_entry(prompt_len, 0, sent)
+        first.ledger += reconcile.ledger_entry(prompt_len, 0, sent)
     first.finish(retry)
     assert retry.cached_tokens is not None
     hit = retry.cached_tokens

@@ -11,14 +11,10 @@ from typing import Any
 import pytest
 
 from tests.models.hybrid_prefix_cache import harness
-from tests.models.hybrid_prefix_cache.harness.deployment import Deployment, Mode
+from tests.models.hybrid_prefix_cache.harness.deployment import Binding
 from tests.models.hybrid_prefix_cache.harness.workload import Workload
+from tests.models.hybrid_prefix_cache.scheduler import judge, play
 from tests.models.hybrid_prefix_cache.scheduler.engine import Engine
-from tests.models.hybrid_prefix_cache.scheduler.judge import check_geometry
-from tests.models.hybrid_prefix_cache.scheduler.play import (
-    TurnResult,
-    play_conversations,
-)
 from tests.models.hybrid_prefix_cache.scheduler.servers import ReplayServer, servers_for
 
 
@@ -30,13 +26,12 @@ class Replay:
     workload: Workload
     run: Callable[..., None]
     variants: tuple[str, ...] = ()
-    applies: Callable[[Deployment, Mode], bool] = lambda deployment, mode: True
+    applies: Callable[[harness.Deployment, harness.Mode], bool] = lambda d, m: True
 
 
 @dataclass(frozen=True)
 class Setting:
-    """What a workload changes in an instance's engine (None: as the tier's
-    servers run)."""
+    """What a workload changes in an engine (None: as the tier's servers run)."""
 
     budget: int | None = None
     num_blocks: int | None = None
@@ -45,41 +40,38 @@ class Setting:
     policy: str | None = None  # --scheduling-policy
 
 
+# Builds a cell's engines under a setting and one of its KDA checkpoint alignments; a
+# tier's BuildFor makes one of its fixtures: tiny_hybrid.TinyHybrid, the CPU binding.
+Build = Callable[[Setting, int | None], list[Engine]]
+BuildFor = Callable[[Any, Binding | None, harness.Deployment, harness.Mode], Build]
+Alignments = Mapping[str, int | None]
+Plays = Callable[[harness.Units], list[harness.conversation.Conversation]]
+
+
 @dataclass(frozen=True)
 class ReplayCell:
-    """``build`` makes the engines under a setting and a KDA checkpoint alignment
-    (one of ``kda_checkpoints``); ``known`` is the tier's known failures by
-    workload, and ``plans`` the (turns, resend) its matrix gives a workload case."""
+    """``known``: the tier's known failures by workload; ``plans``: the (turns, resend)
+    its matrix gives a workload case."""
 
     cell_id: str
     tier: str
     deployment: harness.Deployment
     mode: harness.Mode
     token_ids: tuple[int, int]
-    build: Callable[[Setting, int | None], list[Engine]]
-    kda_checkpoints: Mapping[str, int | None] = field(
-        default_factory=lambda: {"": None}
-    )
+    build: Build
+    kda_checkpoints: Alignments = field(default_factory=lambda: {"": None})
     known: Mapping[str, harness.Known] = field(default_factory=dict)
     plans: Mapping[str, tuple[int, bool]] = field(default_factory=dict)
 
     def engines(
         self, setting: Setting | None = None, kda: int | None = None
     ) -> list[Engine]:
-        return self.build(setting or Setting(), kda)
-
-    def servers_of(
-        self, engines: Sequence[Engine]
-    ) -> tuple[harness.Units, list[ReplayServer]]:
-        units = check_geometry(engines[0], self.mode)
-        return units, servers_for(engines, self.deployment, self.token_ids)
-
-    def scheduling_engines(self, setting: Setting, kda: int | None) -> list[Engine]:
-        """:meth:`engines`, skipping where vLLM turns asynchronous scheduling down
-        in-process: VllmConfig's validation for a drafter (config/vllm.py), or the
-        CPU platform (platforms/cpu.py CpuPlatform.check_and_update_config)."""
+        """Skips where vLLM turns asynchronous scheduling down in-process: VllmConfig's
+        validation for a drafter (config/vllm.py), or the CPU platform
+        (platforms/cpu.py CpuPlatform.check_and_update_config)."""
+        setting = setting or Setting()
         try:
-            engines = self.engines(setting, kda)
+            engines = self.build(setting, kda)
         except ValueError as e:
             lines = str(e).splitlines()
             refusal = next((x for x in lines if "async scheduling" in x.lower()), None)
@@ -98,9 +90,14 @@ class ReplayCell:
             )
         return engines
 
+    def servers_of(
+        self, engines: Sequence[Engine]
+    ) -> tuple[harness.Units, list[ReplayServer]]:
+        units = judge.check_geometry(engines[0], self.mode)
+        return units, servers_for(engines, self.deployment, self.token_ids)
+
     def fail(self, workload: Workload, problems: Sequence[str], detail: str) -> None:
-        """Fail naming the workload's property, as the tier's known failures
-        judge it (harness.known)."""
+        """Fail naming the workload's property, judged by the tier's known failures."""
         if not problems:
             return
         case_id = f"{self.cell_id}-{workload.name}"
@@ -131,44 +128,30 @@ class ReplayCell:
             harness.known.judge_pass(f"{self.cell_id}-{workload.name}", known).enact()
 
     def play_conversations(
-        self,
-        engines: Sequence[Engine],
-        conversations: Callable[
-            [harness.Units], list[harness.conversation.Conversation]
-        ],
-        concurrent: bool = False,
-    ) -> tuple[harness.Units, list[ReplayServer], list[TurnResult]]:
-        """``conversations`` of the units the engines resolve, played through
-        the cell's servers."""
+        self, engines: Sequence[Engine], conversations: Plays, concurrent: bool = False
+    ) -> tuple[list[play.TurnResult], list[str], list[str]]:
+        """``conversations`` of the units the engines resolve, played through the
+        cell's servers: their results, turn table and problems (judge.case_problems)."""
         units, servers = self.servers_of(engines)
-        results = play_conversations(
+        results = play.play_conversations(
             servers, self.deployment, conversations(units), self.token_ids, concurrent
         )
-        return units, servers, results
-
-
-# Builds a cell's engines under a setting and a KDA checkpoint alignment; a
-# tier's BuildFor makes one from the scheduler tier's fixtures: the tiny model
-# (tiny_hybrid.TinyHybrid) and the CPU tier's binding.
-Build = Callable[[Setting, int | None], list[Engine]]
-BuildFor = Callable[
-    [Any, harness.Binding | None, harness.Deployment, harness.Mode], Build
-]
+        rows, problems = judge.case_problems(
+            servers, results, units, self.mode, self.deployment
+        )
+        return results, rows, problems
 
 
 @dataclass(frozen=True)
 class ReplayTier:
-    """A binding's cells as the scheduler tier replays them: how a cell's engines
-    are built, the KDA checkpoint alignments each replays and its token ids (None:
-    the binding's). Its known failures are ``Matrix.replayed_known``'s."""
+    """How a cell's engines are built, the KDA checkpoint alignments each replays, its
+    token ids (None: the binding's); known failures are ``Matrix.replayed_known``'s."""
 
     name: str
     matrix: harness.Matrix
     build: BuildFor
     token_ids: tuple[int, int] | None = None
-    kda_checkpoints: Mapping[str, int | None] = field(
-        default_factory=lambda: {"": None}
-    )
+    kda_checkpoints: Alignments = field(default_factory=lambda: {"": None})
 
     def cells(self) -> dict[str, tuple[str, str]]:
         """(deployment, mode) by cell id, ``<tier>-<deployment>-<mode>``."""
@@ -185,21 +168,12 @@ class ReplayTier:
             if replay.applies(self.matrix.deployments[name], self.matrix.modes[mode])
         ]
 
-    def cell(
-        self, cell_id: str, model: Any, binding: harness.Binding | None
-    ) -> ReplayCell:
-        """``cell_id`` of :meth:`cells`, its engines built on ``model`` or from
-        ``binding``'s servers."""
+    def cell(self, cell_id: str, model: Any, binding: Binding | None) -> ReplayCell:
+        """``cell_id`` of :meth:`cells`, built on ``model`` or ``binding``'s servers."""
         name, mode_name = self.cells()[cell_id]
         deployment = self.matrix.deployments[name]
         mode = self.matrix.modes[mode_name]
         cell = f"{name}-{mode_name}"
-        known = self.matrix.replayed_known(cell)
-        plans = {
-            case.workload: (case.num_turns, case.resend)
-            for case in self.matrix.cases.values()
-            if case.cell == cell and case.workload is not None
-        }
         token_ids = self.token_ids
         if token_ids is None:
             assert binding is not None, f"{self.name}: its tokens are a binding's"
@@ -212,6 +186,10 @@ class ReplayTier:
             token_ids,
             self.build(model, binding, deployment, mode),
             self.kda_checkpoints,
-            known,
-            plans,
+            self.matrix.replayed_known(cell),
+            {
+                case.workload: (case.num_turns, case.resend)
+                for case in self.matrix.cases.values()
+                if case.cell == cell and case.workload is not None
+            },
         )

@@ -6,14 +6,9 @@ arguments and environment a server is started with (:func:`cpu_engine`)."""
 import functools
 from collections.abc import Mapping, Sequence
 
-from tests.models.hybrid_prefix_cache.scheduler.engine import (
-    Engine,
-    build_config,
-    environment,
-    finish_engine,
-)
+from tests.models.hybrid_prefix_cache.scheduler import engine
 from vllm.config import VllmConfig, set_current_vllm_config
-from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionBackend
@@ -35,16 +30,13 @@ def _serve_parser():
 
 def engine_args(model: str, args: Sequence[str]) -> EngineArgs:
     """``args`` parsed by the installed ``vllm serve``, as engine arguments."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
     namespace = _serve_parser().parse_args(["--model", model, *args])
     return AsyncEngineArgs.from_cli_args(namespace)
 
 
 class StandInAttention(AttentionLayerBase):
     """An attention layer as the block-size hook and spec collection see it: its
-    backend (``Attention.__init__``), a spec read after the hook
-    (``Attention.get_kv_cache_spec``)."""
+    backend (Attention.__init__), a spec read after the hook (get_kv_cache_spec)."""
 
     def __init__(self, backend: type[AttentionBackend]) -> None:
         self.backend = backend
@@ -64,21 +56,19 @@ class StandInAttention(AttentionLayerBase):
 
 def cpu_engine(
     model: str, args: Sequence[str], env: Mapping[str, str] | None = None
-) -> Engine:
+) -> engine.Engine:
     """Block sizes from the hook the executor calls after loading (platforms/cpu.py
     CpuPlatform.update_block_size_for_backend), layer specs as
     GPUModelRunner.get_kv_cache_spec collects them."""
-    with environment(env or {}):
-        vllm_config = build_config(engine_args(model, args))
+    with engine.environment(env or {}):
+        vllm_config = engine.build_config(engine_args(model, args))
         model_config = vllm_config.model_config
-        cache_config = vllm_config.cache_config
+        cache = vllm_config.cache_config
         layer_types = model_config.hf_config.layer_types
         names = [f"model.layers.{i}" for i in range(len(layer_types))]
         with set_current_vllm_config(vllm_config):
             backend = get_attn_backend(
-                model_config.get_head_size(),
-                model_config.dtype,
-                cache_config.cache_dtype,
+                model_config.get_head_size(), model_config.dtype, cache.cache_dtype
             )
             # Attention only (Platform._find_non_ssm_backends): CPU Mamba
             # layers export no get_mamba_prefill_checkpoint_alignment.
@@ -97,9 +87,9 @@ def cpu_engine(
             mamba = MambaSpec(
                 shapes=tuple(model_cls.get_mamba_state_shape_from_config(vllm_config)),
                 dtypes=tuple(model_cls.get_mamba_state_dtype_from_config(vllm_config)),
-                block_size=cache_config.mamba_block_size,
-                page_size_padded=cache_config.mamba_page_size_padded,
-                mamba_cache_mode=cache_config.mamba_cache_mode,
+                block_size=cache.mamba_block_size,
+                page_size_padded=cache.mamba_page_size_padded,
+                mamba_cache_mode=cache.mamba_cache_mode,
                 num_speculative_blocks=vllm_config.num_speculative_tokens,
             )
             layer_specs: dict[str, KVCacheSpec] = dict.fromkeys(names, mamba)
@@ -107,9 +97,6 @@ def cpu_engine(
                 spec = layer.get_kv_cache_spec(vllm_config)
                 layer_specs[name] = customize_attention_spec(backend, spec)
         layouts = [layout.name for layout in get_supported_kv_cache_layouts([backend])]
-        memory = cache_config.kv_cache_memory_bytes
+        memory = cache.kv_cache_memory_bytes
         assert memory is not None, "the CPU tier sizes its KV cache explicitly"
-        async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
-        return finish_engine(
-            vllm_config, layer_specs, memory, layouts, async_scheduling
-        )
+        return engine.finish_engine(vllm_config, layer_specs, memory, layouts)

@@ -12,11 +12,7 @@ from unittest.mock import patch
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
-from vllm.v1.core.kv_cache_utils import (
-    generate_scheduler_kv_cache_config,
-    resolve_cache_hit_alignment_tokens,
-    resolve_kv_cache_block_sizes,
-)
+from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
@@ -29,7 +25,6 @@ try:
 except ImportError:
     kv_cache_planning = None  # vLLM 0.32: v1/core/kv_cache_utils.py alone
 
-# None: no config built yet (:func:`build_config`)
 _RUNNER_NEEDS_TRITON: bool | None = None
 
 
@@ -87,15 +82,12 @@ class Engine:
     @property
     def geometry(self) -> Geometry:
         cache = self.vllm_config.cache_config
-        mamba_block = cache.mamba_block_size or cache.block_size
-        return Geometry(
-            cache.block_size, mamba_block, self.hit_unit, self.scheduler_block
-        )
+        mamba = cache.mamba_block_size or cache.block_size
+        return Geometry(cache.block_size, mamba, self.hit_unit, self.scheduler_block)
 
     @property
     def block_bytes(self) -> int:
-        """The CPU worker sizes its pool from --kv-cache-memory-bytes, so blocks
-        times this sizes one."""
+        """Bytes a block: the CPU worker sizes its pool from --kv-cache-memory-bytes."""
         cache = self.vllm_config.cache_config
         return cache.kv_cache_memory_bytes // self.kv_cache_config.num_blocks
 
@@ -131,35 +123,35 @@ def finish_engine(
     layer_specs: dict[str, KVCacheSpec],
     memory: int,
     layouts: list[str],
-    async_scheduling: bool,
 ) -> Engine:
     """v1/engine/core.py EngineCore._initialize_kv_caches on the workers' layer specs
     (not tests/v1/core/utils.py's helper: the checkout's tests/ may be another
     release): layout, groups, then the scheduler block, hash block and hit unit."""
     cache_config = vllm_config.cache_config
+    async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
     register_all_kvcache_specs(vllm_config)
     resolve_kv_cache_layout(vllm_config, [layouts], list(layer_specs.values()))
     ranks = vllm_config.parallel_config.world_size
     specs, memories = [layer_specs] * ranks, [memory] * ranks
     if kv_cache_planning is None:
-        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
-
-        configs = get_kv_cache_configs(vllm_config, specs, memories)
+        configs = kv_cache_utils.get_kv_cache_configs(vllm_config, specs, memories)
     else:
         groups = kv_cache_planning.get_global_kv_cache_groups(vllm_config, specs)
         vllm_config.adjust_dcp_kv_cache_interleave_size(groups)
         configs = kv_cache_planning.get_kv_cache_configs(
             vllm_config, specs, memories, groups
         )
-    kv_cache_config = generate_scheduler_kv_cache_config(configs)
+    kv_cache_config = kv_cache_utils.generate_scheduler_kv_cache_config(configs)
     cache_config.num_gpu_blocks = kv_cache_config.num_blocks
     cache_config.block_size = min(
         group.kv_cache_spec.block_size
         for group in kv_cache_config.kv_cache_groups
         if group.kv_cache_spec.prefix_cacheable
     )
-    block, hash_block = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
-    hit_unit = resolve_cache_hit_alignment_tokens(
+    block, hash_block = kv_cache_utils.resolve_kv_cache_block_sizes(
+        kv_cache_config, vllm_config
+    )
+    hit_unit = kv_cache_utils.resolve_cache_hit_alignment_tokens(
         kv_cache_config, vllm_config, block, hash_block
     )
     kv_cache_config.hash_block_size = hash_block

@@ -5,16 +5,16 @@ reads, each turn's hit against its expectation, each server's counters."""
 
 from collections.abc import Sequence
 
-from tests.models.hybrid_prefix_cache import harness
+from tests.models.hybrid_prefix_cache.harness import compare, reconcile, rules
+from tests.models.hybrid_prefix_cache.harness.deployment import Deployment, Mode, Units
 from tests.models.hybrid_prefix_cache.harness.problems import Problem
 from tests.models.hybrid_prefix_cache.scheduler.engine import Engine
 from tests.models.hybrid_prefix_cache.scheduler.play import TurnResult
 from tests.models.hybrid_prefix_cache.scheduler.servers import ReplayServer
 
 
-def check_geometry(engine: Engine, mode: harness.Mode) -> harness.Units:
-    """The harness's reading of the server's cache_config_info labels must
-    give the hit unit the engine aligns hits to."""
+def check_geometry(engine: Engine, mode: Mode) -> Units:
+    """The harness's reading of cache_config_info must give the engine's hit unit."""
     geometry = engine.geometry
     labels = {
         "block_size": str(geometry.attention_block),
@@ -23,7 +23,7 @@ def check_geometry(engine: Engine, mode: harness.Mode) -> harness.Units:
     if mode.prefix_match_unit is not None:
         cache = engine.vllm_config.cache_config
         labels["prefix_match_unit"] = str(cache.prefix_match_unit)
-    units = harness.Units.from_cache_config(labels, mode)
+    units = Units.from_cache_config(labels, mode)
     assert units.hit == engine.hit_unit, (
         f"the harness reads hit unit {units.hit} from block_size="
         f"{geometry.attention_block}, mamba_block_size={geometry.mamba_block}, "
@@ -36,9 +36,9 @@ def check_geometry(engine: Engine, mode: harness.Mode) -> harness.Units:
 def case_problems(
     servers: Sequence[ReplayServer],
     results: Sequence[TurnResult],
-    units: harness.Units,
-    mode: harness.Mode,
-    deployment: harness.Deployment,
+    units: Units,
+    mode: Mode,
+    deployment: Deployment,
 ) -> tuple[list[str], list[str]]:
     """(the turn table, every way the case disagrees with the harness): its turns,
     each server's counters and the completions the harness routes to it."""
@@ -51,14 +51,14 @@ def case_problems(
     problems = []
     turns = []
     for result in results:
-        turn = result.planned
-        expected, bound = harness.rules.expectation(
+        turn, label = result.planned, result.conversation
+        expected, bound = rules.expectation(
             turn, units.hit, rule.drops_unit, backoff, rule.lookahead
         )
         what = "resend" if turn.resend else f"turn {turn.index}"
-        name = f"{result.conversation} {what}".strip()
+        name = f"{label} {what}".strip()
         rows.append(
-            f"{result.conversation or '-':<14} "
+            f"{label or '-':<14} "
             f"{'resend' if turn.resend else turn.index:>6} {turn.prompt_len:>6} "
             f"{result.hit:>8} {expected:>8} {bound:>6} "
             f"{'-' if result.recompute_hit is None else result.recompute_hit:>9}"
@@ -73,7 +73,7 @@ def case_problems(
                 Problem(why, "scheduler-hit", name, hit=result.hit, expected=expected)
             )
         prev_seen = max(turn.prev_len - backoff, 0)
-        why = harness.rules.impossible_hit(
+        why = rules.impossible_hit(
             result.hit, prev_seen, turn.prompt_len - backoff, units.hit
         )
         if why or result.hit > bound:
@@ -82,13 +82,11 @@ def case_problems(
             problems.append(
                 f"{name}: the recompute under a fresh salt hit {result.recompute_hit}"
             )
-        turns.append(
-            harness.compare.Turn(result.conversation, turn.index, turn.prompt_len, 0, 0)
-        )
+        turns.append(compare.Turn(label, turn.index, turn.prompt_len, 0, 0))
         if result.recompute_hit is not None:
             # Only whether there was one matters to expected_requests.
-            turns[-1].recompute = harness.compare.Sample([], "", [], [], 0, 0)
-    routes = harness.reconcile.expected_requests(len(servers), turns)
+            turns[-1].recompute = compare.Sample([], "", [], [], 0, 0)
+    routes = reconcile.expected_requests(len(servers), turns)
     for server, route in zip(servers, routes):
         problems += server.counter_problems()
         if server.ledger.requests != route:
@@ -103,17 +101,15 @@ def check_case(
     case_id: str,
     servers: Sequence[ReplayServer],
     results: Sequence[TurnResult],
-    units: harness.Units,
-    mode: harness.Mode,
-    deployment: harness.Deployment,
+    units: Units,
+    mode: Mode,
+    deployment: Deployment,
 ) -> None:
     rows, problems = case_problems(servers, results, units, mode, deployment)
     table = "\n".join(rows)
-    counters = "\n".join(f"{s.name}: {s.ledger} moved {s.moved}" for s in servers)
+    moved = "\n".join(f"{s.name}: {s.ledger} moved {s.moved}" for s in servers)
     print(f"\n== {case_id}: hit unit {units.hit}, block {units.block}\n{table}")
-    assert not problems, (
-        f"{case_id}:\n" + "\n".join(problems) + f"\n{table}\n{counters}"
-    )
+    assert not problems, f"{case_id}:\n" + "\n".join(problems) + f"\n{table}\n{moved}"
 
 
 def counter_problems(servers: Sequence[ReplayServer]) -> list[str]:
@@ -128,10 +124,7 @@ def controls(recompute_hit: int, servers: Sequence[ReplayServer]) -> list[str]:
 
 
 def check_drafter(
-    engines: Sequence[Engine],
-    deployment: harness.Deployment,
-    mode: harness.Mode,
-    what: str,
+    engines: Sequence[Engine], deployment: Deployment, mode: Mode, what: str
 ) -> None:
     """Each engine's scheduler does what harness.rules.drafting reads of its drafter:
     Scheduler.__init__ sets use_eagle_block_drop (off where it hashes lookahead
@@ -139,8 +132,7 @@ def check_drafter(
     for engine, instance in zip(engines, deployment.instances):
         rule = mode.drafting(instance)
         sched = engine.scheduler()
-        connector = (instance.kv_config or {}).get("kv_connector")
-        where = f"{what} (connector {connector})"
+        where = f"{what} (connector {(instance.kv_config or {}).get('kv_connector')})"
         # Before 0.32 (0.26) the scheduler's flag was use_eagle.
         drops = getattr(sched, "use_eagle_block_drop", sched.use_eagle)
         assert drops == rule.drops_unit, (

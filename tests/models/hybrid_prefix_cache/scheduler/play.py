@@ -8,11 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tests.models.hybrid_prefix_cache import harness
+from tests.models.hybrid_prefix_cache.harness import conversation
 from tests.models.hybrid_prefix_cache.harness.client import MAX_TOKENS
-from tests.models.hybrid_prefix_cache.harness.conversation import (
-    grown_prompt,
-    random_tokens,
-)
 from tests.models.hybrid_prefix_cache.harness.rules import PlannedTurn, plan_turns
 from tests.models.hybrid_prefix_cache.scheduler.servers import ReplayServer
 from tests.models.hybrid_prefix_cache.scheduler.workers import Completion
@@ -28,8 +25,7 @@ class TurnResult:
     hit: int
     # None where the harness sends no recompute (a resend's cold request).
     recompute_hit: int | None
-    # Under P/D, the decoder's own prefix-cache hit for its decode leg (its
-    # prefix_cache_hits delta, as harness.client.send reads it).
+    # Under P/D, the decoder's own hit for its decode leg (harness.client.send's).
     decoder_hit: int | None = None
 
 
@@ -78,7 +74,7 @@ def hit_and_recompute(
 def play_conversations(
     servers: Sequence[ReplayServer],
     deployment: harness.Deployment,
-    conversations: Sequence[harness.conversation.Conversation],
+    conversations: Sequence[conversation.Conversation],
     token_ids: tuple[int, int],
     concurrent: bool = False,
 ) -> list[TurnResult]:
@@ -88,7 +84,7 @@ def play_conversations(
     soon as its turn finished."""
     rngs = [random.Random(c.seed) for c in conversations]
     prompts = [
-        random_tokens(rng, token_ids, c.first_len)
+        conversation.random_tokens(rng, token_ids, c.first_len)
         for rng, c in zip(rngs, conversations)
     ]
     plans = [plan_turns(c.first_len, c.num_turns, c.resend) for c in conversations]
@@ -113,9 +109,9 @@ def play_conversations(
                 )
                 results.append(TurnResult(label, planned, hit, recomputed))
                 outputs.append(output.token_ids)
-        for i, (rng, plan, output) in enumerate(zip(rngs, plans, outputs)):
+        for i, (rng, plan, out) in enumerate(zip(rngs, plans, outputs)):
             if index + 1 < len(plan) and not plan[index + 1].resend:
-                prompts[i] = grown_prompt(rng, token_ids, prompts[i], output)
+                prompts[i] = conversation.grown_prompt(rng, token_ids, prompts[i], out)
     for server in servers:
         server.drain()
     return results
@@ -153,7 +149,7 @@ def play_resend(
 ) -> list[TurnResult]:
     """harness.run_resend: a cold request, then (after the offload reset)
     the same prompt again and its recompute under a fresh salt."""
-    prompt = random_tokens(random.Random(seed), token_ids, prompt_len)
+    prompt = conversation.random_tokens(random.Random(seed), token_ids, prompt_len)
     salt = f"resend-{seed}"
     _, cold, decoder_hit = send(servers, prompt, salt)
     results = [TurnResult("", PlannedTurn(0, prompt_len, 0), cold, None, decoder_hit)]

@@ -126,9 +126,8 @@ def play_preemption(
     if not decoding:
         running = [e for e in log if e[0] == "running"]
         return Unpreempted(max(e[1] for e in running), max(e[2] for e in running))
-    # The last request preempted while decoding, from its first such
-    # preemption on: every resume's chunks wrote states, a second preemption
-    # mid-prefill included.
+    # The last request preempted while decoding, from its first such preemption on:
+    # every resume's chunks wrote states, a second preemption mid-prefill included.
     request_id = decoding[-1][1]
     first = next(e for e in decoding if e[1] == request_id)
     own = [e for e in log[log.index(first) :] if e[:2] == ("chunk", request_id)]
@@ -176,8 +175,7 @@ class _Pools:
         return self.blocks[size]
 
     def size_of(self, blocks: int) -> int | None:
-        """The smallest size whose pool has ``blocks`` blocks, or None where
-        vLLM refuses that pool."""
+        """The smallest size giving ``blocks`` blocks (None: vLLM refuses that pool)."""
         size = blocks
         while self(size) is None:
             size *= 2
@@ -202,17 +200,15 @@ def sized_preemption(
     tested: Callable[[Preemption], bool],
     blocks_of: Callable[[Sequence[ReplayServer]], int] = pool_blocks,
 ) -> tuple[int, Sequence[ReplayServer], Preemption | None]:
-    """For the fewest requests at once (from 2), the largest pool where vLLM
-    preempts a decoding request and the result ``tested`` takes; else the first
-    whose follow-up hits, or the first that preempted one at all.
-
-    ``build(None)`` never preempts; at its run's peak of blocks held, one block
-    fewer fails that step's allocation (KVCacheManager.allocate_slots), so
-    Scheduler.schedule preempts the running request of the largest (priority,
-    arrival): the last preemption, after the most outputs. Smaller pools follow
-    one block at a time, down to the first that preempts nothing after one did or
-    runs fewer at once (a connector holding blocks for its stores moves the peak).
-    Where even the large pool ran fewer at once, more requests are not tried."""
+    """For the fewest requests at once (from 2), the largest pool where vLLM preempts
+    a decoding request and the result ``tested`` takes; else the first whose follow-up
+    hits, or the first that preempted one at all. ``build(None)`` never preempts; a
+    block fewer than its run's peak fails that step's allocation
+    (KVCacheManager.allocate_slots), so Scheduler.schedule preempts the running request
+    of the largest (priority, arrival): the last, after the most outputs. Smaller pools
+    follow a block at a time, down to one that preempts nothing after one did or runs
+    fewer at once (a connector holding blocks for its stores moves the peak). Where
+    even the large pool ran fewer at once, more requests are not tried."""
     found: tuple[int, Sequence[ReplayServer], Preemption | None] = (0, (), None)
     pools = _Pools(build, blocks_of)
     for requests in range(2, MAX_REQUESTS + 1):

@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from tests.models.hybrid_prefix_cache import harness
 from tests.models.hybrid_prefix_cache.harness import reconcile
+from tests.models.hybrid_prefix_cache.harness.deployment import Deployment, Instance
 from tests.models.hybrid_prefix_cache.scheduler.engine import Engine
 from tests.models.hybrid_prefix_cache.scheduler.workers import Completion, StandInWorker
 from vllm.sampling_params import SamplingParams
@@ -21,12 +22,8 @@ from vllm.v1.request import Request
 # Engine steps within which a completion must finish: a prefill of the
 # longest prompt here in chunks of the smallest budget, and its decode.
 STEP_LIMIT = 10_000
-COUNTERS = (
-    reconcile.PREFIX_QUERIES,
-    reconcile.PREFIX_HITS,
-    reconcile.EXTERNAL_QUERIES,
-    reconcile.EXTERNAL_HITS,
-)
+# The prefix-cache counters, local then external: the scheduler's stats move them.
+COUNTERS = reconcile.COUNTERS[:4]
 
 
 class EngineLoop:
@@ -42,27 +39,13 @@ class EngineLoop:
         # Called with the scheduler and each step's output as it is scheduled.
         self.watchers: list[Callable[[Scheduler, SchedulerOutput], None]] = []
 
-    def _schedule(self) -> SchedulerOutput:
-        output = self.scheduler.schedule()
-        for watch in self.watchers:
-            watch(self.scheduler, output)
-        return output
-
     def step(self, record) -> bool:
         """One engine step; False when the engine has nothing to do."""
         scheduler = self.scheduler
-        if self.depth == 1:
-            if not scheduler.has_requests():
-                return False
-            output = self._schedule()
-            result = self.worker.execute(output)
-            record(scheduler.update_from_output(output, result))
-            drafts = self.worker.drafts(output)
-            if output.total_num_scheduled_tokens > 0 and drafts:
-                scheduler.update_draft_token_ids(drafts)
-            return True
         if scheduler.has_requests():
-            output = self._schedule()
+            output = scheduler.schedule()
+            for watch in self.watchers:
+                watch(scheduler, output)
             self.queue.insert(0, (output, self.worker.execute(output)))
             if len(self.queue) < self.depth and (
                 output.total_num_scheduled_tokens > 0 or scheduler.has_requests()
@@ -72,6 +55,9 @@ class EngineLoop:
             return False
         output, result = self.queue.pop()
         record(scheduler.update_from_output(output, result))
+        drafts = self.worker.drafts(output) if self.depth == 1 else None
+        if output.total_num_scheduled_tokens > 0 and drafts:
+            scheduler.update_draft_token_ids(drafts)
         return True
 
 
@@ -80,15 +66,9 @@ class ReplayServer:
     ``DPLBAsyncMPClient`` routes to idle engines), its ledger and counters."""
 
     def __init__(
-        self,
-        name: str,
-        engine: Engine,
-        instance: harness.Instance,
-        token_ids: tuple[int, int],
+        self, name: str, engine: Engine, instance: Instance, token_ids: tuple[int, int]
     ) -> None:
-        self.name = name
-        self.engine = engine
-        self.instance = instance
+        self.name, self.engine, self.instance = name, engine, instance
         self.loops = [EngineLoop(engine, token_ids) for _ in range(instance.dp)]
         # As v1/engine/core.py EngineCore.__init__ makes it; 0.33 adds
         # VllmConfig.num_hash_lookahead_tokens
@@ -108,9 +88,8 @@ class ReplayServer:
         return self.loops[0].scheduler
 
     def _record(self, outputs) -> None:
-        """What the API server takes from a step's outputs: the counters' increments
-        (``PrometheusStatLogger.record``), each completion's tokens, usage and
-        transfer parameters."""
+        """What the API server takes from a step's outputs: counter increments
+        (``PrometheusStatLogger.record``), completions' tokens, usage and params."""
         for eco in outputs.values():
             stats = eco.scheduler_stats
             if stats is not None:
@@ -246,19 +225,14 @@ class ReplayServer:
             )
 
     def counter_problems(self) -> list[str]:
+        caching, connector = self.instance.prefix_caching, self.instance.kv_config
         return reconcile.counter_problems(
-            self.name,
-            self.moved,
-            self.ledger,
-            prefix_caching=self.instance.prefix_caching,
-            connector=self.instance.kv_config is not None,
+            self.name, self.moved, self.ledger, caching, connector is not None
         )
 
 
 def servers_for(
-    engines: Sequence[Engine],
-    deployment: harness.Deployment,
-    token_ids: tuple[int, int],
+    engines: Sequence[Engine], deployment: Deployment, token_ids: tuple[int, int]
 ) -> list[ReplayServer]:
     """The servers of ``deployment``, prefiller first, named as the harness
     names them, with the P/D pair's workers introduced to each other."""

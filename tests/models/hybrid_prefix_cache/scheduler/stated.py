@@ -9,11 +9,7 @@ from types import SimpleNamespace
 import torch
 
 from tests.models.hybrid_prefix_cache import harness
-from tests.models.hybrid_prefix_cache.scheduler.engine import (
-    Engine,
-    build_config,
-    finish_engine,
-)
+from tests.models.hybrid_prefix_cache.scheduler import engine
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.kv_cache_interface import KVCacheSpec, MambaSpec, MLAAttentionSpec
 
@@ -45,27 +41,20 @@ def stated_engine(
     async_scheduling: bool,
     num_blocks: int,
     scheduling_policy: str = "fcfs",
-) -> Engine:
+) -> engine.Engine:
     """``model`` is any local hybrid checkpoint. A drafter without a checkpoint is
     validated as n-gram, then given the mode's method: the scheduler reads only
     the method, block-drop flag and token count."""
     spec = dict(mode.spec) if mode.spec is not None else None
     stand_in_spec = None
     if spec is not None and spec["method"] != "ngram":
-        stand_in_spec = {
-            "method": "ngram",
-            "num_speculative_tokens": spec["num_speculative_tokens"],
-            "prompt_lookup_min": 1,
-            "prompt_lookup_max": 1,
-        }
+        stand_in_spec = dict(method="ngram", prompt_lookup_min=1, prompt_lookup_max=1)
+        stand_in_spec["num_speculative_tokens"] = spec["num_speculative_tokens"]
     caching = instance.prefix_caching
     args = EngineArgs(
         model=model,
         # the stated model's context; one KV head, so vLLM accepts DCP
-        hf_overrides={
-            "max_position_embeddings": max_model_len,
-            "num_key_value_heads": 1,
-        },
+        hf_overrides=dict(max_position_embeddings=max_model_len, num_key_value_heads=1),
         max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
@@ -82,7 +71,7 @@ def stated_engine(
         scheduling_policy=scheduling_policy,
         enforce_eager=True,
     )
-    vllm_config = build_config(args)
+    vllm_config = engine.build_config(args)
     if stand_in_spec is not None:
         drafting = vllm_config.speculative_config
         assert drafting is not None
@@ -127,6 +116,4 @@ def stated_engine(
     if spec is not None and spec["method"] == "dspark":
         # DSpark's own MLA layer, after the target's
         layer_specs[f"model.layers.{len(STATED_LAYERS)}"] = mla(True)
-    return finish_engine(
-        vllm_config, layer_specs, page * num_blocks, ["LBNHC"], async_scheduling
-    )
+    return engine.finish_engine(vllm_config, layer_specs, page * num_blocks, ["LBNHC"])

@@ -1,35 +1,24 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The stand-in workers of a server (:class:`StandInWorker`) and what a
-completion's response carries (:class:`Completion`)."""
+"""The stand-in workers of a server (:class:`StandInWorker`) and what a completion's
+response carries that the harness reads (:class:`Completion`)."""
 
 from dataclasses import dataclass, field, fields
 
-from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
-    MultiKVConnectorMetadata,
-    MultiKVConnectorWorkerMetadata,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
-    NixlConnectorMetadata,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1 import multi_connector
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import metadata as nixl
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
-from vllm.v1.simple_kv_offload.metadata import (
-    SimpleCPUOffloadMetadata,
-    SimpleCPUOffloadWorkerMetadata,
-)
+from vllm.v1.simple_kv_offload import metadata as offload
 
-# Whether a runner's output still maps request ids to indexes (0.33 and
-# before); from 0.34 the scheduler indexes outputs by their req_ids order
-# alone (v1/outputs.py ModelRunnerOutput).
+# Whether a runner's output maps request ids to indexes (0.33 and before); from
+# 0.34 the scheduler goes by their req_ids order (v1/outputs.py ModelRunnerOutput).
 _INDEXED_BY_MAP = "req_id_to_index" in {f.name for f in fields(ModelRunnerOutput)}
 
 
 @dataclass
 class Completion:
-    """What a completion's response carries that the harness reads."""
-
     request_id: str
     prompt: list[int]
     token_ids: list[int] = field(default_factory=list)
@@ -50,8 +39,7 @@ class StandInWorker:
     def __init__(
         self, scheduler: Scheduler, token_ids: tuple[int, int], world_size: int
     ) -> None:
-        self.scheduler = scheduler
-        self.token_ids = token_ids
+        self.scheduler, self.token_ids = scheduler, token_ids
         self.world_size = world_size
         # Requests of this server whose KV a peer finished reading.
         self.pending_sends: set[str] = set()
@@ -97,15 +85,12 @@ class StandInWorker:
         if metadata is None:
             return None
         received: set[str] = set()
-        multi = isinstance(metadata, MultiKVConnectorMetadata)
+        multi = isinstance(metadata, multi_connector.MultiKVConnectorMetadata)
         parts = metadata.metadata if multi else (metadata,)
-        worker_meta = [self._transfer(part, received) for part in parts]
-        if not multi:
-            combined = worker_meta[0]
-        elif any(m is not None for m in worker_meta):
-            combined = MultiKVConnectorWorkerMetadata(tuple(worker_meta))
-        else:
-            combined = None
+        metas = [self._transfer(part, received) for part in parts]
+        combined = None if multi else metas[0]
+        if multi and any(m is not None for m in metas):
+            combined = multi_connector.MultiKVConnectorWorkerMetadata(tuple(metas))
         sent, self.pending_sends = self.pending_sends, set()
         return KVConnectorOutput(
             finished_sending=sent or None,
@@ -114,7 +99,7 @@ class StandInWorker:
         )
 
     def _transfer(self, metadata, received: set[str]):
-        if isinstance(metadata, NixlConnectorMetadata):
+        if isinstance(metadata, nixl.NixlConnectorMetadata):
             for req_id, meta in metadata.reqs_to_recv.items():
                 if meta.awaiting_kvs:
                     received.add(req_id)
@@ -123,12 +108,12 @@ class StandInWorker:
                     assert peer is not None, f"no prefiller {meta.remote.engine_id}"
                     peer.pending_sends.add(meta.remote.request_id)
             return None
-        if isinstance(metadata, SimpleCPUOffloadMetadata):
+        if isinstance(metadata, offload.SimpleCPUOffloadMetadata):
             loads = metadata.load_event_to_reqs
             if metadata.load_event >= 0:
                 received.update(loads.get(metadata.load_event, ()))
             if metadata.store_event >= 0:
-                return SimpleCPUOffloadWorkerMetadata(
+                return offload.SimpleCPUOffloadWorkerMetadata(
                     {metadata.store_event: self.world_size}
                 )
             return None

@@ -4,18 +4,13 @@
 
 from tests.models.hybrid_prefix_cache.harness import rules
 from tests.models.hybrid_prefix_cache.harness.deployment import Units
-from tests.models.hybrid_prefix_cache.scheduler.abort import (
-    play_abort_retry,
-    play_overlapping_retry,
-)
+from tests.models.hybrid_prefix_cache.scheduler import abort, judge
 from tests.models.hybrid_prefix_cache.scheduler.cell import Replay, ReplayCell, Setting
-from tests.models.hybrid_prefix_cache.scheduler.judge import controls
 from tests.models.hybrid_prefix_cache.workloads.abort_retry import WORKLOAD
 
 
 def abort_length(units: Units, budget: int) -> int:
-    """A prompt whose prefill takes at least two steps under ``budget``
-    tokens a step, so that an abort can land between them."""
+    """A prompt whose prefill takes two steps or more of ``budget`` tokens."""
     first = max(budget, rules.FIRST_PROMPT_BLOCKS * units.block)
     return first + units.block + rules.FIRST_PROMPT_TAIL
 
@@ -64,24 +59,20 @@ def replay(cell: ReplayCell, scheduling: str) -> None:
     still prefills: it never resumes from a state its own step publishes."""
     setting = Setting(async_scheduling=scheduling == "async")
     for kda, alignment in cell.kda_checkpoints.items():
-        engines = cell.scheduling_engines(setting, alignment)
+        engines = cell.engines(setting, alignment)
         units, servers = cell.servers_of(engines)
         budget = engines[0].vllm_config.scheduler_config.max_num_batched_tokens
         prompt_len = abort_length(units, budget)
-        result = play_abort_retry(
-            servers, cell.deployment, prompt_len, cell.cell_id, cell.token_ids
-        )
+        result = abort.play_abort_retry(cell, servers, prompt_len)
         problems = abort_problems(
             result.hit, result.written, result.in_flight, prompt_len, units
         )
-        problems += controls(result.recompute_hit, servers)
+        problems += judge.controls(result.recompute_hit, servers)
         cell.fail(WORKLOAD, problems, f"{kda} {result}")
         units, servers = cell.servers_of(engines)
-        overlap = play_overlapping_retry(
-            servers, cell.deployment, prompt_len, cell.cell_id, cell.token_ids
-        )
+        overlap = abort.play_overlapping_retry(cell, servers, prompt_len)
         problems = overlap_problems(overlap.hit, overlap.written, prompt_len, units)
-        problems += controls(overlap.recompute_hit, servers)
+        problems += judge.controls(overlap.recompute_hit, servers)
         cell.fail(WORKLOAD, problems, f"{kda} {overlap}")
 
 

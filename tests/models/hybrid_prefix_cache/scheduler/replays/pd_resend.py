@@ -4,9 +4,8 @@
 
 from tests.models.hybrid_prefix_cache.harness import conversation
 from tests.models.hybrid_prefix_cache.harness.reconcile import decoder_resend_hit
+from tests.models.hybrid_prefix_cache.scheduler import judge, play
 from tests.models.hybrid_prefix_cache.scheduler.cell import Replay, ReplayCell
-from tests.models.hybrid_prefix_cache.scheduler.judge import case_problems
-from tests.models.hybrid_prefix_cache.scheduler.play import play_resend
 from tests.models.hybrid_prefix_cache.workloads.pd_resend import WORKLOAD
 
 
@@ -18,17 +17,13 @@ def replay(cell: ReplayCell) -> None:
         engines = cell.engines(kda=alignment)
         units, _ = cell.servers_of(engines)
         aligned = conversation.shape_length("exact", units)
-        lengths = (
-            aligned,
-            aligned + cell.deployment.cache_backoff,
-            conversation.reference_conversation(units, "").first_len,
-        )
-        for prompt_len in lengths:
+        reference = conversation.reference_conversation(units, "").first_len
+        for prompt_len in (aligned, aligned + cell.deployment.cache_backoff, reference):
             units, servers = cell.servers_of(engines)
-            results = play_resend(
+            results = play.play_resend(
                 servers, cell.deployment, prompt_len, cell.cell_id, cell.token_ids
             )
-            rows, problems = case_problems(
+            rows, problems = judge.case_problems(
                 servers, results, units, cell.mode, cell.deployment
             )
             expected = decoder_resend_hit(prompt_len, units, cell.mode, cell.deployment)
@@ -41,6 +36,4 @@ def replay(cell: ReplayCell) -> None:
             cell.fail(WORKLOAD, problems, f"{kda}\n" + "\n".join(rows))
 
 
-REPLAY = Replay(
-    WORKLOAD, replay, applies=lambda deployment, mode: deployment.prefill is not None
-)
+REPLAY = Replay(WORKLOAD, replay, applies=lambda d, m: d.prefill is not None)

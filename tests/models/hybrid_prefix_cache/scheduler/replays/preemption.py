@@ -4,40 +4,27 @@
 
 import functools
 
+from tests.models.hybrid_prefix_cache.harness import rules
 from tests.models.hybrid_prefix_cache.harness.deployment import Deployment, Mode
-from tests.models.hybrid_prefix_cache.harness.rules import (
-    FIRST_PROMPT_TAIL,
-    hit_bound,
-    prompt_end_checkpoint,
-)
+from tests.models.hybrid_prefix_cache.scheduler import preempt
 from tests.models.hybrid_prefix_cache.scheduler.cell import Replay, ReplayCell, Setting
 from tests.models.hybrid_prefix_cache.scheduler.judge import controls
-from tests.models.hybrid_prefix_cache.scheduler.preempt import (
-    Preemption,
-    Unpreempted,
-    play_preemption,
-    sized_preemption,
-)
-from tests.models.hybrid_prefix_cache.workloads.preemption import (
-    WORKLOAD,
-    Shape,
-    shape_of,
-    tested,
-    untested,
-)
+from tests.models.hybrid_prefix_cache.workloads import preemption
 
 
 def problems_of(
-    result: Preemption | None, shape: Shape, mode: Mode, deployment: Deployment
+    result: preempt.Preemption | None,
+    shape: preemption.Shape,
+    mode: Mode,
+    deployment: Deployment,
 ) -> list[str]:
-    missing = untested(result, shape)
+    missing = preemption.untested(result, shape)
     if result is None or missing:
         return [missing]
-    units = shape.units
-    checkpoint = prompt_end_checkpoint(shape.prompt_len, units.hit, mode.drops_unit)
-    # A resumed prefill's chunk that ends short of its end off a block boundary
-    # files no state: only the prompt's own checkpoint may end one there
-    # (_mamba_block_aligned_split).
+    unit = shape.units.hit
+    checkpoint = rules.prompt_end_checkpoint(shape.prompt_len, unit, mode.drops_unit)
+    # A resumed prefill's chunk ending short of its end off a block files no state:
+    # only the prompt's own checkpoint may end one there (_mamba_block_aligned_split).
     block, prefill_end = result.block, result.prefill_end
     found = [
         f"a chunk of the resumed prefill ended at {end}, inside block "
@@ -48,13 +35,13 @@ def problems_of(
     # A follow-up's bound is what its request computed (a replayed prefill files
     # states past its prompt).
     stored = shape.prompt_len + shape.max_tokens - 1
-    length = stored + 1 + FIRST_PROMPT_TAIL
-    bound = hit_bound(stored - deployment.cache_backoff, length, units.hit)
+    length = stored + 1 + rules.FIRST_PROMPT_TAIL
+    bound = rules.hit_bound(stored - deployment.cache_backoff, length, unit)
     for who, hit in zip(("the resumed request's", "the other's"), result.hits):
         if hit > bound:
             found.append(f"{who} follow-up cached {hit}, beyond the bound {bound}")
-        elif hit % units.hit:
-            found.append(f"{who} follow-up cached {hit}, off the unit {units.hit}")
+        elif hit % unit:
+            found.append(f"{who} follow-up cached {hit}, off the unit {unit}")
     return found
 
 
@@ -65,7 +52,7 @@ def replay(cell: ReplayCell) -> None:
     for kda, alignment in cell.kda_checkpoints.items():
         engines = cell.engines(kda=alignment)
         units, _ = cell.servers_of(engines)
-        shape = shape_of(units, cell.deployment, engines[0].vllm_config)
+        shape = preemption.shape_of(units, cell.deployment, engines[0].vllm_config)
 
         def build(blocks: int | None, alignment=alignment, shape=shape):
             setting = Setting(shape.budget, blocks, None, shape.max_len, "priority")
@@ -73,23 +60,23 @@ def replay(cell: ReplayCell) -> None:
 
         def replayed(servers, requests: int, reverse=False, shape=shape):
             played = (*shape.lengths, requests, cell.cell_id, cell.token_ids)
-            return play_preemption(servers, *played, reverse)
+            return preempt.play_preemption(servers, *played, reverse)
 
-        wanted = functools.partial(tested, shape=shape)
-        size, servers, result = sized_preemption(build, replayed, wanted)
+        wanted = functools.partial(preemption.tested, shape=shape)
+        size, servers, result = preempt.sized_preemption(build, replayed, wanted)
         problems = problems_of(result, shape, cell.mode, cell.deployment)
         if result is not None:
             problems += controls(max(result.recompute_hits), servers)
             # A real server's arrival order is not the replay's.
             again = replayed(build(size), result.requests, reverse=True)
-            if isinstance(again, Unpreempted):
+            if isinstance(again, preempt.Unpreempted):
                 problems.append(f"its pool preempted nothing sent last first: {again}")
             elif (again.resumed, again.hits) != (result.resumed, result.hits):
                 problems.append(
                     f"sent last first, the replay preempted differently ({again}): "
                     f"which request vLLM resumes depends on arrival, not priority"
                 )
-        cell.fail(WORKLOAD, problems, f"{kda} {result}")
+        cell.fail(preemption.WORKLOAD, problems, f"{kda} {result}")
 
 
 def _applies(deployment: Deployment, mode: Mode) -> bool:
@@ -101,4 +88,4 @@ def _applies(deployment: Deployment, mode: Mode) -> bool:
     return plain and not (rule.drops_unit or rule.lookahead)
 
 
-REPLAY = Replay(WORKLOAD, replay, applies=_applies)
+REPLAY = Replay(preemption.WORKLOAD, replay, applies=_applies)

@@ -6,16 +6,9 @@ import random
 
 from tests.models.hybrid_prefix_cache.harness.conversation import random_tokens
 from tests.models.hybrid_prefix_cache.harness.rules import hit_bound
+from tests.models.hybrid_prefix_cache.scheduler import judge, play
 from tests.models.hybrid_prefix_cache.scheduler.cell import Replay, ReplayCell
-from tests.models.hybrid_prefix_cache.scheduler.judge import counter_problems
-from tests.models.hybrid_prefix_cache.scheduler.play import send
-from tests.models.hybrid_prefix_cache.workloads.shared_prefix import (
-    NUM_SIBLINGS,
-    WORKLOAD,
-    junction_checkpoint,
-    shared_prefix_length,
-    sibling_tail_length,
-)
+from tests.models.hybrid_prefix_cache.workloads import shared_prefix
 
 
 def replay(cell: ReplayCell) -> None:
@@ -23,13 +16,13 @@ def replay(cell: ReplayCell) -> None:
     recompute; the device caches are never reset."""
     for kda, alignment in cell.kda_checkpoints.items():
         units, servers = cell.servers_of(cell.engines(kda=alignment))
-        rng = random.Random(cell.cell_id)
-        shared = random_tokens(rng, cell.token_ids, shared_prefix_length(units))
-        tail = sibling_tail_length(units)
+        rng, tokens = random.Random(cell.cell_id), cell.token_ids
+        shared = random_tokens(rng, tokens, shared_prefix.shared_prefix_length(units))
+        tail = shared_prefix.sibling_tail_length(units)
         hits = []
-        for index in range(NUM_SIBLINGS):
-            prompt = shared + random_tokens(rng, cell.token_ids, tail)
-            _, hit, _ = send(servers, prompt, f"siblings-{cell.cell_id}")
+        for index in range(shared_prefix.NUM_SIBLINGS):
+            prompt = shared + random_tokens(rng, tokens, tail)
+            _, hit, _ = play.send(servers, prompt, f"siblings-{cell.cell_id}")
             salt = f"recompute-{cell.cell_id}-{index}"
             recompute = servers[-1].complete(prompt, salt).cached_tokens
             assert recompute is not None
@@ -45,7 +38,8 @@ def replay(cell: ReplayCell) -> None:
                 f"(get_computed_blocks_for_connector), which detects no "
                 f"shared-prefix junction"
             )
-        junction = junction_checkpoint(len(shared), units, cell.mode.drops_unit)
+        drops = cell.mode.drops_unit
+        junction = shared_prefix.junction_checkpoint(len(shared), units, drops)
         problems = []
         for index, (prompt_len, hit, recompute_hit) in enumerate(hits):
             name = f"sibling {index} ({prompt_len} tokens)"
@@ -61,13 +55,13 @@ def replay(cell: ReplayCell) -> None:
                 problems.append(
                     f"{name}: cached {hit}, not the junction checkpoint {junction} of "
                     f"the shared {len(shared)}-token prefix (block {units.block}, "
-                    f"drafter drops a unit: {cell.mode.drops_unit})" + lookup
+                    f"drafter drops a unit: {drops})" + lookup
                 )
             if recompute_hit:
                 problems.append(f"{name}: the recompute hit {recompute_hit}")
-        problems += counter_problems(servers)
+        problems += judge.counter_problems(servers)
         detail = f"{kda} hits {[h for _, h, _ in hits]}, junction {junction}"
-        cell.fail(WORKLOAD, problems, f"{detail}, hit unit {units.hit}")
+        cell.fail(shared_prefix.WORKLOAD, problems, f"{detail}, hit unit {units.hit}")
 
 
-REPLAY = Replay(WORKLOAD, replay)
+REPLAY = Replay(shared_prefix.WORKLOAD, replay)

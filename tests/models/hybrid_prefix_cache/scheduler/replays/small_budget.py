@@ -4,14 +4,8 @@
 
 from tests.models.hybrid_prefix_cache.harness.conversation import reference_conversation
 from tests.models.hybrid_prefix_cache.scheduler.cell import Replay, ReplayCell, Setting
-from tests.models.hybrid_prefix_cache.scheduler.judge import (
-    case_problems,
-    check_geometry,
-)
-from tests.models.hybrid_prefix_cache.workloads.small_budget import (
-    WORKLOAD,
-    small_budgets,
-)
+from tests.models.hybrid_prefix_cache.scheduler.judge import check_geometry
+from tests.models.hybrid_prefix_cache.workloads import small_budget
 
 
 def replay(cell: ReplayCell) -> None:
@@ -24,22 +18,19 @@ def replay(cell: ReplayCell) -> None:
         def reference(units):
             return [reference_conversation(units, cell.cell_id)]
 
-        _, _, default = cell.play_conversations(engines, reference)
-        for budget in small_budgets(units):
+        default, _, _ = cell.play_conversations(engines, reference)
+        for budget in small_budget.small_budgets(units):
             small = cell.engines(Setting(budget), alignment)
-            units, servers, results = cell.play_conversations(small, reference)
+            results, rows, wrong = cell.play_conversations(small, reference)
             problems = [
                 f"turn {a.planned.index}: cached {b.hit} under a budget of "
                 f"{budget}, {a.hit} under the default"
                 for a, b in zip(default, results)
                 if a.hit != b.hit
             ]
-            rows, wrong = case_problems(
-                servers, results, units, cell.mode, cell.deployment
-            )
             problems += wrong
             detail = f"{kda} budget {budget}\n" + "\n".join(rows)
-            cell.fail(WORKLOAD, problems, detail)
+            cell.fail(small_budget.WORKLOAD, problems, detail)
 
 
-REPLAY = Replay(WORKLOAD, replay)
+REPLAY = Replay(small_budget.WORKLOAD, replay)
