@@ -12,19 +12,9 @@ from dataclasses import replace
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.models.hybrid_prefix_cache.harness.clock import phase
+from tests.models.hybrid_prefix_cache.harness import clock, reconcile, rules
 from tests.models.hybrid_prefix_cache.harness.compare import NUM_LOGPROBS, Sample
-from tests.models.hybrid_prefix_cache.harness.reconcile import (
-    COUNTERS,
-    NIXL_TRANSFERS,
-    PREFIX_HITS,
-    PREFIX_QUERIES,
-    decoder_problems,
-    decoder_pulls,
-    ledger_entry,
-)
-from tests.models.hybrid_prefix_cache.harness.rules import decoder_reported_cached
-from tests.models.hybrid_prefix_cache.harness.servers import Server, ServerError
+from tests.models.hybrid_prefix_cache.harness.servers import Server
 
 MAX_TOKENS = 8
 TOKEN_ID_PREFIX = "token_id:"
@@ -50,7 +40,7 @@ PREFILL_KV_TRANSFER_PARAMS = {
 }
 
 
-@phase("reset")
+@clock.phase("reset")
 def reset_prefix_caches(servers: Sequence[Server]) -> None:
     """Drop every server's device prefix cache, keeping the offloaded one,
     so that the next hit must come from the CPU tier."""
@@ -73,7 +63,7 @@ def reset_prefix_caches(servers: Sequence[Server]) -> None:
 
 def read_metrics(server: Server) -> dict[str, list]:
     """The server's Prometheus samples, by sample name."""
-    with phase("metrics"):
+    with clock.phase("metrics"):
         response = requests.get(server.url_for("metrics"), timeout=CONTROL_TIMEOUT)
     response.raise_for_status()
     samples: dict[str, list] = {}
@@ -88,7 +78,7 @@ def read_counters(server: Server) -> dict[str, float | None]:
     samples = read_metrics(server)
     return {
         name: sum(s.value for s in samples[name]) if name in samples else None
-        for name in COUNTERS
+        for name in reconcile.COUNTERS
     }
 
 
@@ -110,13 +100,6 @@ def _token_id(token: str) -> int:
     if not token.startswith(TOKEN_ID_PREFIX):
         raise AssertionError(f"token {token!r} is not in the token-id form")
     return int(token.removeprefix(TOKEN_ID_PREFIX))
-
-
-def _request_failure(server: Server, what: str) -> ServerError:
-    # a server that just died may take a moment to be reaped
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        what += f"; the server exited with code {server.proc.wait(timeout=2)}"
-    return server.error(what)
 
 
 def _completion(
@@ -197,20 +180,20 @@ def _post(
         REQUEST_TIMEOUT if give_up_after is None else (CONTROL_TIMEOUT, give_up_after)
     )
     try:
-        with phase("requests"):
+        with clock.phase("requests"):
             response = requests.post(url, json=body, timeout=timeout)
     except requests.RequestException as e:
         if give_up_after is not None and isinstance(e, requests.ReadTimeout):
             return None
-        raise _request_failure(
-            server, f"did not answer a completion ({type(e).__name__}: {e})"
-        ) from None
-    if response.status_code != 200:
-        raise _request_failure(
-            server,
-            f"answered a completion with {response.status_code}: "
-            f"{response.text[:2000]}",
-        )
+        failure = f"did not answer a completion ({type(e).__name__}: {e})"
+    else:
+        code, text = response.status_code, response.text[:2000]
+        failure = "" if code == 200 else f"answered a completion with {code}: {text}"
+    if failure:
+        # a server that just died may take a moment to be reaped
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            failure += f"; the server exited with code {server.proc.wait(timeout=2)}"
+        raise server.error(failure)
     data = response.json()
     choice, usage = data["choices"][0], data["usage"]
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
@@ -219,8 +202,8 @@ def _post(
             "the server reports no usage.prompt_tokens_details.cached_tokens; "
             "serve with --enable-prompt-tokens-details"
         )
-    entry = ledger_entry(usage["prompt_tokens"], cached, body.get("kv_transfer_params"))
-    server.book_answer(entry)
+    params = body.get("kv_transfer_params")
+    server.book_answer(reconcile.ledger_entry(usage["prompt_tokens"], cached, params))
     logprobs = choice["logprobs"]
     return Sample(
         token_ids=[_token_id(t) for t in logprobs["tokens"]],
@@ -242,19 +225,13 @@ def poll_counters(
     """The counters once ``done`` holds for counter ``name`` (None: not exported)
     or the settle time ended."""
     deadline = time.monotonic() + METRICS_SETTLE_SECONDS
-    with phase("metrics"):
+    with clock.phase("metrics"):
         while True:
             counters = read_counters(server)
             value = counters[name]
             if value is None or done(value) or time.monotonic() > deadline:
                 return counters
             time.sleep(METRICS_POLL_INTERVAL)
-
-
-def poll_counter(
-    server: Server, name: str, done: Callable[[float], bool]
-) -> float | None:
-    return poll_counters(server, name, done)[name]
 
 
 def send(
@@ -280,13 +257,9 @@ def _send(
     if len(servers) == 1:
         return complete(servers[0], model, prompt, salt), []
     prefiller, decoder = servers
+    params = PREFILL_KV_TRANSFER_PARAMS
     prefill = complete(
-        prefiller,
-        model,
-        prompt,
-        salt,
-        max_tokens=1,
-        kv_transfer_params=PREFILL_KV_TRANSFER_PARAMS,
+        prefiller, model, prompt, salt, max_tokens=1, kv_transfer_params=params
     )
     if not prefill.kv_transfer_params:
         raise AssertionError(
@@ -299,37 +272,37 @@ def _send(
     sample = replace(decode, cached_tokens=prefill.cached_tokens)
     if not check:
         return sample, []
-    problems, decoder_hit = _decoder_leg(decoder, before, len(prompt), prefill)
-    reported = decoder_reported_cached(len(prompt), prefill.cached_tokens)
+    hit = prefill.cached_tokens
+    problems, decoder_hit = _decoder_leg(decoder, before, len(prompt), hit)
+    reported = rules.decoder_reported_cached(len(prompt), hit)
     if decode.cached_tokens != reported:
         problems.append(
             f"the decoder reports {decode.cached_tokens} cached tokens, "
-            f"the prefiller hit {prefill.cached_tokens}, and vLLM's rule "
+            f"the prefiller hit {hit}, and vLLM's rule "
             f"(rules.decoder_reported_cached) gives {reported}"
         )
     return replace(sample, decoder_hit=decoder_hit), problems
 
 
 def _decoder_leg(
-    decoder: Server, before: dict[str, float | None], prompt_len: int, prefill: Sample
+    decoder: Server, before: dict[str, float | None], prompt_len: int, prefill_hit: int
 ) -> tuple[list[str], int | None]:
     """The decoder's own hit on the decode leg just answered, and how its counters
-    break the rule of its role (:func:`decoder_problems`). The hit (at admission)
-    and a transfer (once its KV arrived) precede the response but are exported
-    after the engine step, so they are polled for."""
-    if before.get(NIXL_TRANSFERS) is None or before.get(PREFIX_HITS) is None:
-        return [f"the decoder exports no {NIXL_TRANSFERS} or {PREFIX_HITS}"], None
+    break the rule of its role (:func:`reconcile.decoder_problems`). The hit (at
+    admission) and a transfer (once its KV arrived) precede the response but are
+    exported after the engine step, so they are polled for."""
+    hits, transfers = reconcile.PREFIX_HITS, reconcile.NIXL_TRANSFERS
+    if before.get(transfers) is None or before.get(hits) is None:
+        return [f"the decoder exports no {transfers} or {hits}"], None
     if decoder.spec.prefix_caching:
-        seen = before[PREFIX_QUERIES] or 0.0
-        now = poll_counters(decoder, PREFIX_QUERIES, lambda v: v >= seen + prompt_len)
+        queries = reconcile.PREFIX_QUERIES
+        seen = (before[queries] or 0.0) + prompt_len
+        now = poll_counters(decoder, queries, lambda v: v >= seen)
     else:
         now = read_counters(decoder)
-    local_hit = (now[PREFIX_HITS] or 0.0) - before[PREFIX_HITS]
-    if decoder_pulls(prompt_len, local_hit):
-        transfers = before[NIXL_TRANSFERS]
-        now[NIXL_TRANSFERS] = poll_counter(
-            decoder, NIXL_TRANSFERS, lambda v: v > transfers
-        )
-    moved = (now[NIXL_TRANSFERS] or 0.0) - before[NIXL_TRANSFERS]
-    found = decoder_problems(prompt_len, local_hit, moved, prefill.cached_tokens)
+    local_hit = (now[hits] or 0.0) - before[hits]
+    if reconcile.decoder_pulls(prompt_len, local_hit):
+        now = poll_counters(decoder, transfers, lambda v: v > before[transfers])
+    moved = (now[transfers] or 0.0) - before[transfers]
+    found = reconcile.decoder_problems(prompt_len, local_hit, moved, prefill_hit)
     return found, int(local_hit)

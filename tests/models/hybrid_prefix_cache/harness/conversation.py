@@ -3,56 +3,26 @@
 """Conversations: their shapes and random prompts, and how a case plays
 them turn by turn against its servers (:func:`run_conversations`)."""
 
-import random
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from random import Random
 
-from tests.models.hybrid_prefix_cache.harness.client import (
-    complete,
-    poll_counter,
-    read_counters,
-    reset_prefix_caches,
-    send,
-    send_checked,
-)
+import tests.models.hybrid_prefix_cache.harness.transfer as transfer
+from tests.models.hybrid_prefix_cache.harness import client, compare, paths, rules
 from tests.models.hybrid_prefix_cache.harness.clock import phase
-from tests.models.hybrid_prefix_cache.harness.compare import (
-    Found,
-    Turn,
-    check_turn,
-    take_each,
-)
+from tests.models.hybrid_prefix_cache.harness.compare import Turn
 from tests.models.hybrid_prefix_cache.harness.deployment import (
     Binding,
     Deployment,
     Mode,
     Units,
 )
-from tests.models.hybrid_prefix_cache.harness.paths import (
-    PathNoise,
-    check_paths,
-    control_shifts,
-)
 from tests.models.hybrid_prefix_cache.harness.reconcile import EXTERNAL_HITS
 from tests.models.hybrid_prefix_cache.harness.restores import check_prefill_steps
-from tests.models.hybrid_prefix_cache.harness.rules import (
-    FIRST_PROMPT_BLOCKS,
-    FIRST_PROMPT_TAIL,
-    NUM_TURNS,
-    TURN_TOKENS,
-    Drafting,
-    PlannedTurn,
-    expectation,
-    plan_turns,
-)
 from tests.models.hybrid_prefix_cache.harness.servers import Server
-from tests.models.hybrid_prefix_cache.harness.transfer import (
-    check_transfer,
-    relay_prompt,
-)
 
 
 @dataclass(frozen=True)
@@ -60,12 +30,13 @@ class Conversation:
     label: str
     first_len: int
     seed: str
-    num_turns: int = NUM_TURNS
+    num_turns: int = rules.NUM_TURNS
     resend: bool = True
 
 
 def reference_conversation(units: Units, seed: str) -> Conversation:
-    return Conversation("", FIRST_PROMPT_BLOCKS * units.block + FIRST_PROMPT_TAIL, seed)
+    first_len = rules.FIRST_PROMPT_BLOCKS * units.block + rules.FIRST_PROMPT_TAIL
+    return Conversation("", first_len, seed)
 
 
 # Tail-sweep shapes: (one more hit unit, inside a block; tail from the unit).
@@ -85,23 +56,23 @@ def shape_length(shape: str, units: Units) -> int | None:
     inblock, tail = SHAPES[shape]
     if inblock and units.hit >= units.block:
         return None
-    base = FIRST_PROMPT_BLOCKS * units.block + (units.hit if inblock else 0)
+    base = rules.FIRST_PROMPT_BLOCKS * units.block + (units.hit if inblock else 0)
     return base + tail(units.hit)
 
 
-def random_tokens(rng: random.Random, token_ids: tuple[int, int], n: int) -> list[int]:
+def random_tokens(rng: Random, token_ids: tuple[int, int], n: int) -> list[int]:
     return [rng.randrange(*token_ids) for _ in range(n)]
 
 
 def grown_prompt(
-    rng: random.Random,
+    rng: Random,
     token_ids: tuple[int, int],
     prompt: Sequence[int],
     output: Sequence[int],
 ) -> list[int]:
     """``prompt``, then its ``output`` and random tokens, TURN_TOKENS in all."""
-    appended = list(output[:TURN_TOKENS])
-    fill = random_tokens(rng, token_ids, TURN_TOKENS - len(appended))
+    appended = list(output[: rules.TURN_TOKENS])
+    fill = random_tokens(rng, token_ids, rules.TURN_TOKENS - len(appended))
     return [*prompt, *appended, *fill]
 
 
@@ -120,12 +91,12 @@ class Play:
     logprob_atol: float | None
     batched: bool = False
     prefill_step: bool = False
-    noise: PathNoise | None = None
+    noise: paths.PathNoise | None = None
     # salts that resumed inside a block (Turn.mid_block)
     off_block_salts: set[str] = field(default_factory=set)
 
     @property
-    def drafting(self) -> Drafting:
+    def drafting(self) -> rules.Drafting:
         """The drafter's effect where the cache is consulted (the prefiller)."""
         return self.mode.drafting(self.deployment.instances[0])
 
@@ -154,33 +125,34 @@ def send_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
     turn.batched, turn.invariant = play.batched, play.invariant
     turn.prefill_step = play.prefill_step
     start = time.monotonic()
-    servers, model = play.servers, play.binding.model
+    servers, model, hits = play.servers, play.binding.model, EXTERNAL_HITS
     if play.deployment.offload:
-        reset_prefix_caches(servers)
-        before = read_counters(servers[0])[EXTERNAL_HITS]
-    turn.output, found = send_checked(servers, model, prompt, salt)
-    turn.take(Found(tuple(found)))
+        client.reset_prefix_caches(servers)
+        before = client.read_counters(servers[0])[hits]
+    turn.output, found = client.send_checked(servers, model, prompt, salt)
+    turn.take(compare.Found(tuple(found)))
     if play.binding.exact_on_blocks:
         # an off-grid resume's rounding carries into the salt's later states
         if turn.output.cached_tokens % (play.binding.exact_grid or play.units.block):
             play.off_block_salts.add(salt)
         turn.mid_block = salt in play.off_block_salts
     if play.deployment.offload and turn.output.cached_tokens > 0:
-        after = poll_counter(servers[0], EXTERNAL_HITS, lambda v: v > (before or 0))
+        grown = client.poll_counters(servers[0], hits, lambda v: v > (before or 0))
+        after = grown[hits]
         if before is None or after is None or after <= before:
             missed = (
                 f"{turn.name}: cached {turn.output.cached_tokens} after the device "
-                f"prefix cache was reset, but {EXTERNAL_HITS} did not grow ({before} "
+                f"prefix cache was reset, but {hits} did not grow ({before} "
                 f"-> {after}): the hit did not come from the offload tier"
             )
-            turn.take(Found((missed,)))
+            turn.take(compare.Found((missed,)))
     if len(servers) > 1 or (play.batched and not (play.invariant or play.prefill_step)):
         twin_salt = fresh_salt("twin")
         if play.batched:  # sent at once: no transfer is the twin's alone
-            turn.twin = send(servers, model, prompt, twin_salt)
+            turn.twin = client.send(servers, model, prompt, twin_salt)
         else:
-            turn.twin, found = send_checked(servers, model, prompt, twin_salt)
-            turn.take(Found(tuple(found)))
+            turn.twin, found = client.send_checked(servers, model, prompt, twin_salt)
+            turn.take(compare.Found(tuple(found)))
     turn.seconds += time.monotonic() - start
 
 
@@ -189,25 +161,25 @@ def recompute_turn(play: Play, turn: Turn) -> None:
     sides), send the transfer's exact counterparts or the decode-against-prefill
     control, then check the turn."""
     start = time.monotonic()
-    decoder, model, prompt = play.servers[-1], play.binding.model, turn.prompt
-    turn.recompute = complete(decoder, model, prompt, fresh_salt("recompute"))
-    deployment = play.deployment
-    same = play.binding.exact_across_instances and deployment.same_instances
-    relays = same and deployment.compares_logprobs
-    if relays:
-        turn.relay = send(play.servers, model, relay_prompt(turn), fresh_salt("relay"))
-        turn.prefiller_alone = complete(
-            play.servers[0], model, prompt, fresh_salt("prefiller")
+    servers, model, prompt = play.servers, play.binding.model, turn.prompt
+    decoder, compares = servers[-1], play.deployment.compares_logprobs
+    turn.recompute = client.complete(decoder, model, prompt, fresh_salt("recompute"))
+    same = play.binding.exact_across_instances and play.deployment.same_instances
+    if relays := same and compares:
+        relayed = transfer.relay_prompt(turn)
+        turn.relay = client.send(servers, model, relayed, fresh_salt("relay"))
+        turn.prefiller_alone = client.complete(
+            servers[0], model, prompt, fresh_salt("prefiller")
         )
-    if (len(play.servers) > 1 and not relays) or turn.mid_block:
+    if (len(servers) > 1 and not relays) or turn.mid_block:
         # the recompute's second logprob, from the prefill path instead of a
         # reloaded state: the noise a P/D decoder or a mid-block resume adds
         extended = [*prompt, turn.recompute.token_ids[0]]
-        turn.control = complete(decoder, model, extended, fresh_salt("control"))
+        turn.control = client.complete(decoder, model, extended, fresh_salt("control"))
     turn.seconds += time.monotonic() - start
     atol, drops_unit = play.logprob_atol, play.drafting.drops_unit
-    found = check_turn(turn, play.units, atol, deployment.compares_logprobs, drops_unit)
-    turn.take(found + check_transfer(turn, atol))
+    found = compare.check_turn(turn, play.units, atol, compares, drops_unit)
+    turn.take(found + transfer.check_transfer(turn, atol))
 
 
 def play_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
@@ -220,36 +192,29 @@ def finish_turns(play: Play, turns: Sequence[Turn]) -> None:
     the decoder alone, then hold cross-path comparisons to it."""
     compares = play.deployment.compares_logprobs
     if play.prefill_step:
-        take_each(turns, check_prefill_steps(turns, compares))
+        compare.take_each(turns, check_prefill_steps(turns, compares))
         return
     decoder, model = play.servers[-1], play.binding.model
-    for turn, shift in control_shifts(turns):
+    for turn, shift in paths.control_shifts(turns):
         assert turn.recompute is not None
         start = time.monotonic()
         extended = [*turn.prompt, *turn.recompute.token_ids[:shift]]
-        control = complete(decoder, model, extended, fresh_salt("control"))
+        control = client.complete(decoder, model, extended, fresh_salt("control"))
         turn.more_controls.append(control)
         turn.seconds += time.monotonic() - start
-    play.noise, found = check_paths(turns, play.logprob_atol, compares)
-    take_each(turns, found)
+    play.noise, found = paths.check_paths(turns, play.logprob_atol, compares)
+    compare.take_each(turns, found)
 
 
-def planned_turn(play: Play, label: str, planned: PlannedTurn) -> Turn:
+def planned_turn(play: Play, label: str, planned: rules.PlannedTurn) -> Turn:
     """The :class:`Turn` of ``planned`` with its expected hit and bound."""
     backoff, rule = play.deployment.cache_backoff, play.drafting
-    expected, bound = expectation(
+    expected, bound = rules.expectation(
         planned, play.units.hit, rule.drops_unit, backoff, rule.lookahead
     )
-    return Turn(
-        label,
-        planned.index,
-        planned.prompt_len,
-        planned.prev_len,
-        expected,
-        bound=bound,
-        resend=planned.resend,
-        backoff=backoff,
-    )
+    turn = Turn(label, planned.index, planned.prompt_len, planned.prev_len, expected)
+    turn.bound, turn.resend, turn.backoff = bound, planned.resend, backoff
+    return turn
 
 
 def play_waves(
@@ -261,14 +226,16 @@ def play_waves(
     wave goes one by one (a batched cold prefill may part from itself alone:
     findings/batch-noise-cpu.md), and each prompt goes alone too after its wave."""
     token_ids = play.binding.token_ids
-    rngs = [random.Random(conv.seed) for conv in conversations]
+    rngs = [Random(conv.seed) for conv in conversations]
     prompts = [
         random_tokens(rng, token_ids, conv.first_len)
         for rng, conv in zip(rngs, conversations)
     ]
     salts = [fresh_salt("conversation") for _ in conversations]
     alone_salts = [fresh_salt("alone") for _ in conversations]
-    plans = [plan_turns(c.first_len, c.num_turns, c.resend) for c in conversations]
+    plans = [
+        rules.plan_turns(c.first_len, c.num_turns, c.resend) for c in conversations
+    ]
     if len({len(plan) for plan in plans}) > 1:
         raise ValueError("conversations played together must have as many turns")
     for index in range(len(plans[0])):
@@ -291,9 +258,9 @@ def play_waves(
         if play.prefill_step:
             # under a salt whose earlier turns went alone too: the hit's counterpart
             # on its checkpoint and chunks (harness/restores.py)
-            for (turn, prompt, _), alone_salt in zip(batch, alone_salts):
+            for (turn, prompt, _), salt in zip(batch, alone_salts):
                 start = time.monotonic()
-                turn.alone = send(play.servers, play.binding.model, prompt, alone_salt)
+                turn.alone = client.send(play.servers, play.binding.model, prompt, salt)
                 turn.seconds += time.monotonic() - start
         yield index
         for i, ((turn, prompt, _), plan) in enumerate(zip(batch, plans)):

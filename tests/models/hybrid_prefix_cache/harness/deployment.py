@@ -13,7 +13,6 @@ from packaging.version import Version
 
 from tests.models.hybrid_prefix_cache.harness import rules
 from tests.models.hybrid_prefix_cache.harness.problems import Finding
-from tests.models.hybrid_prefix_cache.harness.rules import PD_PREFILL_BACKOFF
 
 
 @dataclass(frozen=True)
@@ -36,11 +35,8 @@ class Mode:
     def drafting(self, instance: "Instance | None" = None) -> rules.Drafting:
         """:func:`rules.drafting` for ``instance`` (None: no KV connector)."""
         instance = instance or Instance()
-        return rules.drafting(
-            self.spec,
-            kv_config=instance.kv_config,
-            prefix_caching=instance.prefix_caching,
-        )
+        kv_config, caching = instance.kv_config, instance.prefix_caching
+        return rules.drafting(self.spec, kv_config=kv_config, prefix_caching=caching)
 
     def args(self, prefix_caching: bool = True) -> list[str]:
         """``vllm serve`` arguments; no match unit without prefix caching."""
@@ -97,12 +93,10 @@ class Instance:
 
     def args(self) -> list[str]:
         args = []
-        if self.tp > 1:
-            args += ["--tensor-parallel-size", str(self.tp)]
-        if self.dp > 1:
-            args += ["--data-parallel-size", str(self.dp)]
-        if self.dcp > 1:
-            args += ["--decode-context-parallel-size", str(self.dcp)]
+        sizes = {"tensor": self.tp, "data": self.dp, "decode-context": self.dcp}
+        for kind, size in sizes.items():
+            if size > 1:
+                args += [f"--{kind}-parallel-size", str(size)]
         if self.expert_parallel:
             args.append("--enable-expert-parallel")
         if self.kv_config is not None:
@@ -132,7 +126,7 @@ class Deployment:
     @property
     def cache_backoff(self) -> int:
         """Trailing tokens the cache-consulting instance never sees."""
-        return 0 if self.prefill is None else PD_PREFILL_BACKOFF
+        return 0 if self.prefill is None else rules.PD_PREFILL_BACKOFF
 
     @property
     def same_instances(self) -> bool:
@@ -146,22 +140,19 @@ class Deployment:
         """Not under P/D with two TP sizes: the weights are sharded apart."""
         return self.prefill is None or self.prefill.tp == self.decode.tp
 
-
-def _each_instance(
-    deployment: Deployment, change: Callable[[Instance], Instance]
-) -> Deployment:
-    prefill = None if deployment.prefill is None else change(deployment.prefill)
-    return replace(deployment, decode=change(deployment.decode), prefill=prefill)
+    def _each_instance(self, change: Callable[[Instance], Instance]) -> "Deployment":
+        prefill = None if self.prefill is None else change(self.prefill)
+        return replace(self, decode=change(self.decode), prefill=prefill)
 
 
 def with_serve_args(deployment: Deployment, args: Sequence[str]) -> Deployment:
-    return _each_instance(
-        deployment, lambda i: replace(i, serve_args=(*i.serve_args, *args))
+    return deployment._each_instance(
+        lambda i: replace(i, serve_args=(*i.serve_args, *args))
     )
 
 
 def with_serve_env(deployment: Deployment, env: Mapping[str, str]) -> Deployment:
-    return _each_instance(deployment, lambda i: replace(i, env={**i.env, **env}))
+    return deployment._each_instance(lambda i: replace(i, env={**i.env, **env}))
 
 
 def device_ranges(deployment: Deployment) -> list[range]:

@@ -6,13 +6,9 @@ have moved by, given its completions' usage and routes. Pure."""
 from collections.abc import Mapping, Sequence
 from dataclasses import astuple, dataclass
 
-from tests.models.hybrid_prefix_cache.harness.compare import Turn
+from tests.models.hybrid_prefix_cache.harness import compare, rules
 from tests.models.hybrid_prefix_cache.harness.deployment import Deployment, Mode, Units
-from tests.models.hybrid_prefix_cache.harness.rules import (
-    PD_PREFILL_BACKOFF,
-    expected_resend,
-    pd_lookup_backoff,
-)
+from tests.models.hybrid_prefix_cache.harness.rules import PD_PREFILL_BACKOFF
 
 # Prometheus counters the oracle reconciles, by role.
 PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
@@ -64,7 +60,7 @@ def ledger_entry(
     params = kv_transfer_params or {}
     queries, held, connector = prompt_tokens, cached_tokens, prompt_tokens
     if params.get("do_remote_decode"):
-        queries = prompt_tokens - pd_lookup_backoff()
+        queries = prompt_tokens - rules.pd_lookup_backoff()
         connector = prompt_tokens - PD_PREFILL_BACKOFF
     elif params.get("do_remote_prefill"):
         held = prompt_tokens - PD_PREFILL_BACKOFF
@@ -94,8 +90,8 @@ def decoder_resend_hit(
     if not deployment.decode.prefix_caching or deployment.offload:
         return 0
     rule = mode.drafting(deployment.decode)
-    resend = expected_resend(prompt_len, units.hit, rule.drops_unit, rule.lookahead)
-    return min(prompt_len - PD_PREFILL_BACKOFF, resend) // units.block * units.block
+    end = rules.expected_resend(prompt_len, units.hit, rule.drops_unit, rule.lookahead)
+    return min(prompt_len - PD_PREFILL_BACKOFF, end) // units.block * units.block
 
 
 def decoder_problems(
@@ -151,14 +147,13 @@ def counter_problems(
     external = ledger.connector_queries - value[PREFIX_HITS]
     if connector and value[EXTERNAL_QUERIES] != external:
         problems.append(
-            f"{name} server: {EXTERNAL_QUERIES} moved by "
-            f"{value[EXTERNAL_QUERIES]:g}, expected {external:g}: the tokens "
-            f"its engine saw less its local hits"
+            f"{name} server: {EXTERNAL_QUERIES} moved by {value[EXTERNAL_QUERIES]:g}, "
+            f"expected {external:g}: the tokens its engine saw less its local hits"
         )
     return problems
 
 
-def expected_requests(num_servers: int, turns: Sequence[Turn]) -> list[int]:
+def expected_requests(num_servers: int, turns: Sequence[compare.Turn]) -> list[int]:
     """Completions each server must finish: turns, twins, relays and alone counterparts
     through the deployment; recomputes and controls on the decoder alone."""
     through = alone = prefiller = 0
@@ -180,29 +175,3 @@ def counter_deltas(
         key: None if now[key] is None or before[key] is None else now[key] - before[key]
         for key in now
     }
-
-
-def server_problems(
-    name: str,
-    moved: Mapping[str, float | None],
-    ledger: Ledger,
-    prefix_caching: bool,
-    connector: bool,
-    route: int | None,
-) -> list[str]:
-    """:func:`counter_problems` plus the completions count against ``route``
-    (None: a server not started here, held to request_success instead)."""
-    found = counter_problems(name, moved, ledger, prefix_caching, connector)
-    done = moved[REQUESTS_DONE] or 0.0
-    if route is not None and ledger.requests != route:
-        found.append(
-            f"{name} server: answered {ledger.requests} completions, "
-            f"expected {route} (each turn through the "
-            f"deployment, each recompute on the decoder alone)"
-        )
-    elif done != ledger.requests:
-        found.append(
-            f"{name} server: {REQUESTS_DONE} moved by {done:g}, but it "
-            f"answered {ledger.requests} completions"
-        )
-    return found

@@ -8,6 +8,7 @@ import functools
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import pairwise
 from types import SimpleNamespace
 
 from packaging.specifiers import SpecifierSet
@@ -53,13 +54,10 @@ def plan_turns(
     first_len: int, num_turns: int = NUM_TURNS, resend: bool = True
 ) -> list[PlannedTurn]:
     """``num_turns`` turns, each TURN_TOKENS longer, then (``resend``) a resend."""
-    turns, prev_len = [], 0
-    for index in range(num_turns):
-        prompt_len = first_len + index * TURN_TOKENS
-        turns.append(PlannedTurn(index, prompt_len, prev_len))
-        prev_len = prompt_len
+    lengths = [0] + [first_len + i * TURN_TOKENS for i in range(num_turns)]
+    turns = [PlannedTurn(i, n, prev) for i, (prev, n) in enumerate(pairwise(lengths))]
     if resend:
-        turns.append(PlannedTurn(num_turns, prev_len, prev_len, resend=True))
+        turns.append(PlannedTurn(num_turns, lengths[-1], lengths[-1], resend=True))
     return turns
 
 
@@ -129,8 +127,7 @@ class Drafting:
 def _declared(cls: type, fields: Mapping):
     """``cls`` with ``fields``, skipping ``__post_init__`` (loads a drafter)."""
     names = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(fields) - set(names))
-    if unknown:
+    if unknown := sorted(set(fields) - set(names)):
         raise ValueError(f"{cls.__name__} has no field {', '.join(unknown)}")
     instance = object.__new__(cls)
     for name, field in names.items():

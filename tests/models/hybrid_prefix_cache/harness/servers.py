@@ -17,7 +17,7 @@ from pathlib import Path
 
 import requests
 
-from tests.models.hybrid_prefix_cache.harness.clock import phase
+from tests.models.hybrid_prefix_cache.harness import clock, reconcile
 from tests.models.hybrid_prefix_cache.harness.deployment import (
     Binding,
     Deployment,
@@ -25,7 +25,6 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (
     device_ranges,
     server_args,
 )
-from tests.models.hybrid_prefix_cache.harness.reconcile import Ledger
 from tests.utils import RemoteOpenAIServer, _sanitize_pythonpath_env
 from vllm.platforms import current_platform
 from vllm.utils.network_utils import get_open_port
@@ -151,15 +150,14 @@ class Server(RemoteOpenAIServer):
         port: int | None = None,
         launched: list["Server"] | None = None,
     ) -> None:
-        self.spec = spec
-        self.startup_timeout = startup_timeout
+        self.spec, self.startup_timeout = spec, startup_timeout
         logs = report_folder() / "server-logs"
         logs.mkdir(exist_ok=True)
         self.log_path = logs / f"{spec.name}-{uuid.uuid4().hex[:8]}.log"
         self.launched = time.monotonic()
         self.startup_seconds: float | None = None
         # Every completion it answered (book_answer), for the counter windows.
-        self._answers: list[Ledger] = []
+        self._answers: list[reconcile.Ledger] = []
         self._answers_lock = threading.Lock()
         # Every process seen in the server's group while it ran.
         self.seen_pids: set[int] = set()
@@ -227,9 +225,8 @@ class Server(RemoteOpenAIServer):
         self.health_url = url
 
     def _get_gpu_memory_used(self) -> float | None:
-        # Overridden, no public switch: RemoteVLLMServer waits at exit for the
-        # whole device's memory to fall back, which other sessions' servers on
-        # the GPU (dev/gpu/run_tier.sh lanes) hold; count this server's own.
+        # Overridden, no public switch: RemoteVLLMServer waits at exit for the whole
+        # GPU's memory, which dev/gpu/run_tier.sh lanes share; count this server's own.
         if not current_platform.is_cuda():
             return None
         held = 0
@@ -250,7 +247,7 @@ class Server(RemoteOpenAIServer):
             return super()._get_gpu_memory_used()
         return float(held)
 
-    def book_answer(self, entry: Ledger) -> None:
+    def book_answer(self, entry: reconcile.Ledger) -> None:
         with self._answers_lock:
             self._answers.append(entry)
 
@@ -259,9 +256,9 @@ class Server(RemoteOpenAIServer):
         with self._answers_lock:
             return len(self._answers)
 
-    def answered_since(self, mark: int) -> Ledger:
+    def answered_since(self, mark: int) -> reconcile.Ledger:
         with self._answers_lock:
-            return sum(self._answers[mark:], Ledger())
+            return sum(self._answers[mark:], reconcile.Ledger())
 
     def pids(self) -> list[int]:
         # RemoteVLLMServer lists a process group only in a private helper.
@@ -276,9 +273,8 @@ class Server(RemoteOpenAIServer):
             tail = "\n".join(log.splitlines()[-LOG_TAIL_LINES:])
         except OSError as e:
             log, tail = "", f"(no log: {e})"
-        hint = ""
-        if "Address already in use" in tail or "address already in use" in tail:
-            hint = f" (port {self.port} is already in use)"
+        in_use = "Address already in use" in tail or "address already in use" in tail
+        hint = f" (port {self.port} is already in use)" if in_use else ""
         message = (
             f"the {self.spec.name} server {what}{hint}.\n"
             f"command: {' '.join(self.command)}\n"
@@ -292,8 +288,7 @@ def wait_healthy(servers: Sequence[Server]) -> None:
     pending = [server for server in servers if server.startup_seconds is None]
     while pending:
         for server in list(pending):
-            code = server.proc.poll()
-            if code is not None:
+            if (code := server.proc.poll()) is not None:
                 raise server.error(f"exited with code {code} during startup")
             try:
                 healthy = requests.get(server.health_url, timeout=5).status_code == 200
@@ -339,11 +334,9 @@ def serve(
     mode: Mode,
     launched: list[Server] | None = None,
 ) -> Iterator[list[Server]]:
+    specs = server_specs(binding, deployment, mode)
     servers = start_servers(
-        server_specs(binding, deployment, mode),
-        binding.startup_timeout,
-        binding.concurrent_start,
-        launched,
+        specs, binding.startup_timeout, binding.concurrent_start, launched
     )
     try:
         yield servers
@@ -359,8 +352,7 @@ class ServerPool:
         self._specs: tuple[ServerSpec, ...] | None = None
         self._servers: list[Server] = []
         self.launched: list[Server] = []
-        self.starts = 0
-        self.reuses = 0
+        self.starts = self.reuses = 0
         self.startup_seconds: list[float] = []
 
     def acquire(
@@ -372,7 +364,7 @@ class ServerPool:
             self.reuses += 1
             return self._servers
         self.close()
-        with phase("start"):
+        with clock.phase("start"):
             servers = start_servers(
                 specs, binding.startup_timeout, binding.concurrent_start, self.launched
             )
@@ -383,5 +375,5 @@ class ServerPool:
 
     def close(self) -> None:
         servers, self._servers, self._specs = self._servers, [], None
-        with phase("stop"):
+        with clock.phase("stop"):
             RemoteOpenAIServer.shutdown_many(servers)

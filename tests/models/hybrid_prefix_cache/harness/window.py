@@ -1,29 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""A case's counter window, owned by its session: each server's counters at its
-start, the completions its servers answered while it was open and what the case
-knows their engines saw unanswered, reconciled at its end (:func:`close_window`)."""
+"""A case's counter window, owned by its session: each server's counters at its start,
+then what it answered and its engine saw unanswered, reconciled at the end."""
 
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tests.models.hybrid_prefix_cache.harness.client import (
-    METRICS_POLL_INTERVAL,
-    METRICS_SETTLE_SECONDS,
-    read_counters,
-)
-from tests.models.hybrid_prefix_cache.harness.compare import Turn
+from tests.models.hybrid_prefix_cache.harness import client, compare, reconcile
 from tests.models.hybrid_prefix_cache.harness.deployment import Mode
-from tests.models.hybrid_prefix_cache.harness.reconcile import (
-    SPEC_DRAFTS,
-    Ledger,
-    counter_deltas,
-    expected_requests,
-    server_problems,
-)
-from tests.models.hybrid_prefix_cache.harness.servers import Server
+from tests.models.hybrid_prefix_cache.harness.reconcile import Ledger
+from tests.models.hybrid_prefix_cache.harness.servers import Server, ServerSpec
 
 
 @dataclass
@@ -38,51 +26,59 @@ class Window:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def book_unanswered(self, server: Server, entry: Ledger) -> None:
-        """A request ``server``'s engine saw but never answered."""
         with self._lock:
             index = next(i for i, s in enumerate(self.servers) if s is server)
             self.unanswered[index] += entry
 
 
 def open_window(servers: Sequence[Server]) -> Window:
-    return Window(
-        servers,
-        [read_counters(server) for server in servers],
-        [server.answers() for server in servers],
-        [Ledger() for _ in servers],
+    counters = [client.read_counters(server) for server in servers]
+    marks = [server.answers() for server in servers]
+    return Window(servers, counters, marks, [Ledger() for _ in servers])
+
+
+def server_problems(
+    spec: ServerSpec, moved: dict[str, float | None], ledger: Ledger, route: int | None
+) -> list[str]:
+    """:func:`reconcile.counter_problems` plus the completions count against ``route``
+    (None: a server not started here, held to request_success instead)."""
+    name, done = spec.name, moved[reconcile.REQUESTS_DONE] or 0.0
+    found = reconcile.counter_problems(
+        name, moved, ledger, spec.prefix_caching, spec.connector
     )
+    if route is not None and ledger.requests != route:
+        found.append(
+            f"{name} server: answered {ledger.requests} completions, expected {route} "
+            f"(each turn through the deployment, each recompute on the decoder alone)"
+        )
+    elif done != ledger.requests:
+        found.append(
+            f"{name} server: {reconcile.REQUESTS_DONE} moved by {done:g}, but it "
+            f"answered {ledger.requests} completions"
+        )
+    return found
 
 
 def close_window(
-    window: Window, mode: Mode, turns: Sequence[Turn]
+    window: Window, mode: Mode, turns: Sequence[compare.Turn]
 ) -> tuple[dict, list[str]]:
     """Each server's counter deltas since :func:`open_window`, and every way they
-    disagree with what its completions reported (:func:`counter_problems`) or with
-    the route every request must take (:func:`expected_requests`, against vLLM's
-    own request_success count)."""
+    disagree with its completions' usage or the route each request must take
+    (:func:`server_problems`, :func:`reconcile.expected_requests`)."""
     deltas, problems, drafts = {}, [], 0.0
-    routes = expected_requests(len(window.servers), turns)
-    for server, before, mark, unanswered, route in zip(
-        window.servers,
-        window.counters,
-        window.marks,
-        window.unanswered,
-        routes,
-        strict=True,
-    ):
-        spec = server.spec
+    routes = reconcile.expected_requests(len(window.servers), turns)
+    opened = zip(window.servers, window.counters, window.marks, window.unanswered)
+    for (server, before, mark, unanswered), route in zip(opened, routes, strict=True):
         ledger = server.answered_since(mark) + unanswered
-        deadline = time.monotonic() + METRICS_SETTLE_SECONDS
+        deadline = time.monotonic() + client.METRICS_SETTLE_SECONDS
         while True:
-            moved = counter_deltas(read_counters(server), before)
-            found = server_problems(
-                spec.name, moved, ledger, spec.prefix_caching, spec.connector, route
-            )
+            moved = reconcile.counter_deltas(client.read_counters(server), before)
+            found = server_problems(server.spec, moved, ledger, route)
             if not found or time.monotonic() >= deadline:
                 break
-            time.sleep(METRICS_POLL_INTERVAL)
+            time.sleep(client.METRICS_POLL_INTERVAL)
         problems += found
-        deltas[spec.name] = {
+        deltas[server.spec.name] = {
             "requests": ledger.requests,
             "usage_prompt_tokens": ledger.prompt_tokens,
             "usage_cached_tokens": ledger.cached_tokens,
@@ -90,10 +86,10 @@ def close_window(
             "engine_held": ledger.held,
             **moved,
         }
-        drafts += moved[SPEC_DRAFTS] or 0.0
+        drafts += moved[reconcile.SPEC_DRAFTS] or 0.0
     if mode.spec is not None and drafts <= 0:
         problems.append(
-            f"speculative mode, but {SPEC_DRAFTS} did not grow: the drafter "
+            f"speculative mode, but {reconcile.SPEC_DRAFTS} did not grow: the drafter "
             f"never ran, so the case would pass vacuously"
         )
     return deltas, problems
