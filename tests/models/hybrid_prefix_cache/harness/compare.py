@@ -1,8 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""How a turn is judged: its hit against vLLM's rules (rules.py), its outputs
-against the request on its numerical path (:func:`check_turn`). Pure; the
-cross-path comparisons are in paths.py."""
+"""How a turn is judged, purely: its hit by vLLM's rules (rules.py), its outputs against
+the request on its own path (:func:`check_turn`); across paths: paths.py."""
 
 import math
 from collections.abc import Sequence
@@ -36,13 +35,8 @@ class Sample:
         return self._sliced(slice(None, tokens))
 
     def _sliced(self, part: slice) -> "Sample":
-        return replace(
-            self,
-            token_ids=self.token_ids[part],
-            text="",
-            token_logprobs=self.token_logprobs[part],
-            top_logprobs=self.top_logprobs[part],
-        )
+        lists = ("token_ids", "token_logprobs", "top_logprobs")
+        return replace(self, text="", **{k: getattr(self, k)[part] for k in lists})
 
 
 @dataclass(frozen=True)
@@ -91,8 +85,7 @@ class Turn:
     expected: int
     bound: int = 0
     resend: bool = False
-    # trailing tokens the caching instance does not see (P/D prefiller)
-    backoff: int = 0
+    backoff: int = 0  # trailing tokens the caching instance doesn't see (P/D prefiller)
     output: Sample | None = None
     recompute: Sample | None = None
     # a cold request sent as the hit was: through P/D, or in the same wave
@@ -105,8 +98,7 @@ class Turn:
     relay: Sample | None = None
     prefiller_alone: Sample | None = None
     batched: bool = False
-    # batched on a batch-invariant server: on its recompute's path
-    invariant: bool = False
+    invariant: bool = False  # batched, batch-invariant server: on its recompute's path
     # batched at the servers' own threads: its prefill step is held to the
     # same prompt's alone, under a salt played alone (harness/restores.py)
     prefill_step: bool = False
@@ -137,10 +129,8 @@ class Turn:
     def played(self) -> "Turn":
         """The turn as its record keeps it: a copy whose fields and lists no
         check can change any more (a problem added later is refused)."""
-        sequences = ("more_controls", "problems", "notices", "comparisons", "prompt")
-        return replace(
-            self, **{name: tuple(getattr(self, name)) for name in sequences}, done=True
-        )
+        lists = ("more_controls", "problems", "notices", "comparisons", "prompt")
+        return replace(self, done=True, **{k: tuple(getattr(self, k)) for k in lists})
 
     @property
     def name(self) -> str:
@@ -174,18 +164,17 @@ def first_divergence(
     hit: Sample, recompute: Sample, names: tuple[str, str] = ("hit", "recompute")
 ) -> str:
     """Where two samples' tokens part, with both top-k there; "" if never."""
-    a_name, b_name = names
     i = logprob_gap(hit, recompute)[1]
     if i is not None:
         return (
-            f"first diverging token at index {i}: the {a_name} chose "
+            f"first diverging token at index {i}: the {names[0]} chose "
             f"{hit.token_ids[i]} (top-{NUM_LOGPROBS}: {_top(hit, i)}), the "
-            f"{b_name} chose {recompute.token_ids[i]} "
+            f"{names[1]} chose {recompute.token_ids[i]} "
             f"(top-{NUM_LOGPROBS}: {_top(recompute, i)})"
         )
     if len(hit.token_ids) != len(recompute.token_ids):
         return (
-            f"the {a_name} has {len(hit.token_ids)} tokens, the {b_name} "
+            f"the {names[0]} has {len(hit.token_ids)} tokens, the {names[1]} "
             f"{len(recompute.token_ids)}"
         )
     return ""
@@ -203,15 +192,11 @@ def logprob_gap(a: Sample, b: Sample) -> tuple[float, int | None]:
 def near_tie(a: Sample, b: Sample, index: int, tolerance: float) -> bool:
     """Whether each chosen token at ``index`` moves by at most ``tolerance`` (an
     unranked one by at least the gap to the other side's lowest ranked logprob)."""
-    top_a, top_b = a.top_logprobs[index], b.top_logprobs[index]
-    for token, mine, other in (
-        (a.token_ids[index], top_a, top_b),
-        (b.token_ids[index], top_b, top_a),
-    ):
-        here = mine.get(token)
+    for x, y in ((a, b), (b, a)):
+        mine, other = x.top_logprobs[index], y.top_logprobs[index]
+        here, there = mine.get(x.token_ids[index]), other.get(x.token_ids[index])
         if here is None:
             return False
-        there = other.get(token)
         moved = abs(here - there) if there is not None else here - min(other.values())
         if moved > tolerance:
             return False
@@ -298,34 +283,25 @@ def check_turn(
         problems.append(
             f"{name}: impossible hit, over-reported: {why} (bound {turn.bound})"
         )
-    elif turn.resend:
+    elif turn.resend and cached != turn.expected:
         # a resend hits exactly the checkpoint, as upstream's Kimi-K3 test has
-        if cached != turn.expected:
-            missed = Problem(
-                f"{name}: cached {cached} != {turn.expected}, the checkpoint of the "
-                f"resent {prompt_seen}-token prompt by vLLM's rule (v1/"
-                f"kv_cache_interface.py get_mamba_prefill_checkpoint_position, hit "
-                f"unit {units.hit}, drafter drops a unit: {drops_unit})",
-                "resend-missed",
-                name,
-                cached=cached,
-                expected=turn.expected,
-                seen=prompt_seen,
-            )
-            problems.append(missed)
+        text = (
+            f"{name}: cached {cached} != {turn.expected}, the checkpoint of the "
+            f"resent {prompt_seen}-token prompt by vLLM's rule (v1/"
+            f"kv_cache_interface.py get_mamba_prefill_checkpoint_position, hit "
+            f"unit {units.hit}, drafter drops a unit: {drops_unit})"
+        )
+        numbers = dict(cached=cached, expected=turn.expected, seen=prompt_seen)
+        problems.append(Problem(text, "resend-missed", name, **numbers))
     elif cached < turn.expected:
         vacuous = " (no hit at all)" if cached == 0 else ""
-        lost = Problem(
+        text = (
             f"{name}: cached {cached} < expected checkpoint {turn.expected} of the "
             f"previous {turn.prev_len}-token prompt (hit unit {units.hit}): a "
-            f"checkpoint was lost{vacuous}",
-            "lost-checkpoint",
-            name,
-            cached=cached,
-            expected=turn.expected,
-            previous=turn.prev_len,
+            f"checkpoint was lost{vacuous}"
         )
-        problems.append(lost)
+        numbers = dict(cached=cached, expected=turn.expected, previous=turn.prev_len)
+        problems.append(Problem(text, "lost-checkpoint", name, **numbers))
     elif cached > turn.expected:
         notices.append(
             f"{name}: cached {cached} is above the expected {turn.expected} but "
@@ -362,15 +338,12 @@ def check_turn(
             f"is wrong, or its arithmetic depends on its batch"
         )
     elif cached:
-        problem = Problem(
+        text = (
             f"{name}: the hit, {cached} tokens restored from the prefix cache, "
             f"differs from its {other} on the same path, {why}: the restored "
-            f"state is wrong",
-            "hit-apart",
-            name,
-            restored=cached,
-            control=other,
+            f"state is wrong"
         )
+        problem = Problem(text, "hit-apart", name, restored=cached, control=other)
     else:
         problem = (
             f"{name}: restored nothing, yet differs from its {other} on the same "

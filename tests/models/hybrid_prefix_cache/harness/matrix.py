@@ -9,8 +9,8 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
+from tests.models.hybrid_prefix_cache.harness import conversation, rules, workload
 from tests.models.hybrid_prefix_cache.harness.cases import Suite, run_case
-from tests.models.hybrid_prefix_cache.harness.conversation import SHAPES
 from tests.models.hybrid_prefix_cache.harness.deployment import (
     Binding,
     Deployment,
@@ -21,22 +21,15 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (
 )
 from tests.models.hybrid_prefix_cache.harness.known import judge_confirmed_elsewhere
 from tests.models.hybrid_prefix_cache.harness.records import CaseRecord
-from tests.models.hybrid_prefix_cache.harness.rules import NUM_TURNS
-from tests.models.hybrid_prefix_cache.harness.workload import (
-    InProcess,
-    Workload,
-    WorkloadRun,
-)
 
 # Tests with the same key need the same servers; the plugin runs them together.
 SERVERS_MARK = "hybrid_servers"
-# Seconds per server process a test runs through, for sharding; from a 4xB200
-# run: findings/b200-case-costs.md.
+# Seconds per server process, for sharding (4xB200: findings/b200-case-costs.md).
 START_SECONDS = 80
 TURN_SECONDS = 27
 SETTLE_SECONDS = 15
 # A matrix case plays its growing turns, then an exact resend.
-CASE_TURNS = NUM_TURNS + 1
+CASE_TURNS = rules.NUM_TURNS + 1
 
 
 def case_seconds(servers: int, turns: int, start: bool = True) -> int:
@@ -47,8 +40,7 @@ def case_seconds(servers: int, turns: int, start: bool = True) -> int:
 
 def servers_mark(key: str, seconds: int | None = None) -> pytest.MarkDecorator:
     """``seconds``: a test's cost (:func:`case_seconds`) for :func:`shard_by_cost`."""
-    # Kimi-K3's module makes its marks on import, before the plugin registers
-    # the marker: no unknown-mark warning.
+    # Kimi-K3 marks its tests on import, before the plugin registers the marker.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
         mark = getattr(pytest.mark, SERVERS_MARK)
@@ -66,9 +58,8 @@ def group_by_servers(items: list) -> None:
 
 
 def shard_by_cost(items: list, shard: int, shards: int) -> list | None:
-    """The items of job ``shard`` of ``shards`` in order, or None if one has no
-    cost. Whole servers groups go, most costly first, to the least loaded job
-    (ties: the lower), so that every job computes the same split."""
+    """Job ``shard``'s items in order, or None if one has no cost: servers groups go
+    whole, costliest first, to the least loaded job (ties: the lower, so jobs agree)."""
     groups: dict[str, list] = {}
     for index, item in enumerate(items):
         mark = item.get_closest_marker(SERVERS_MARK)
@@ -96,7 +87,7 @@ class Case:
     restores: bool = False  # likewise at the servers' threads (harness/restores.py)
     workload: str | None = None  # a workload of the matrix's catalog
     # Its growing turns, and whether a resend follows them (plan_turns).
-    num_turns: int = NUM_TURNS
+    num_turns: int = rules.NUM_TURNS
     resend: bool = True
     # Its workload's own request count (Workload.turns), and servers.
     fixed_turns: int | None = None
@@ -117,9 +108,8 @@ class Case:
 
     @property
     def case_id(self) -> str:
-        suffix = self.workload or self.shape
-        suffix = suffix or ("concurrent" if self.concurrent else None)
-        suffix = suffix or ("batched-restores" if self.restores else None)
+        batch = "concurrent" if self.concurrent else "batched-restores"
+        suffix = self.workload or self.shape or (batch if self.at_once else None)
         return self.cell if suffix is None else f"{self.cell}-{suffix}"
 
 
@@ -139,41 +129,15 @@ class Matrix:
     workloads: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     workload_turns: Mapping[str, int] = field(default_factory=dict)
     # Every workload a matrix may name, by name (the workloads package).
-    catalog: Mapping[str, Workload] = field(default_factory=dict)
+    catalog: Mapping[str, workload.Workload] = field(default_factory=dict)
     batch_servers: bool = False
     cases: dict[str, Case] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        missing = sorted(set(self.workloads) - set(self.catalog))
-        if missing:
+        if missing := sorted(set(self.workloads) - set(self.catalog)):
             raise ValueError(f"workloads not in the catalog: {missing}")
-        object.__setattr__(self, "cases", self._build())
-        cells = {case.cell for case in self.cases.values()}
-        replayed = {f"{cell}-{name}" for cell in cells for name in self.catalog}
-        unknown = sorted(
-            key
-            for key, entries in self.known.items()
-            if key not in self.cases
-            and (key not in replayed or not all(k.replayed for k in entries))
-        )
-        if unknown:
-            raise ValueError(f"known failures name no case of the matrix: {unknown}")
-        stray = sorted(set().union(*self.workloads.values()) - cells)
-        if stray:
-            raise ValueError(f"workloads name no cell of the matrix: {stray}")
-        if set(self.workload_turns) - set(self.workloads):
-            raise ValueError("workload_turns names a workload the matrix does not run")
-
-    def _workload_case(self, cell: Case, name: str) -> Case:
-        spec, turns = self.catalog[name], self.workload_turns.get(name)
-        case = replace(
-            cell, workload=name, fixed_turns=spec.turns, own_servers=spec.own_servers
-        )
-        return case if turns is None else replace(case, num_turns=turns, resend=False)
-
-    def _build(self) -> dict[str, Case]:
-        """Every case, ordered so consecutive ones share servers: each cell, its
-        workloads and sweep, then the workloads with servers of their own."""
+        # Every case, ordered so consecutive ones share servers: each cell, its
+        # workloads and sweep, then the workloads with servers of their own.
         cases = {}
         for deployment in self.deployments:
             for mode_name, mode in self.modes.items():
@@ -185,7 +149,7 @@ class Matrix:
                 ]
                 cell_cases = [cell, *(c for c in loads if not c.own_servers)]
                 if cell.cell in self.sweep:
-                    for shape, (inblock, _) in SHAPES.items():
+                    for shape, (inblock, _) in conversation.SHAPES.items():
                         # A boundary inside a block needs a unit below it.
                         if not inblock or mode.prefix_match_unit is not None:
                             cell_cases.append(replace(cell, shape=shape))
@@ -193,7 +157,27 @@ class Matrix:
                     cell_cases.append(replace(cell, restores=True))
                 cell_cases += [c for c in loads if c.own_servers]
                 cases.update((case.case_id, case) for case in cell_cases)
-        return cases
+        object.__setattr__(self, "cases", cases)
+        cells = {case.cell for case in cases.values()}
+        replayed = {f"{cell}-{name}" for cell in cells for name in self.catalog}
+        if unknown := sorted(
+            key
+            for key, entries in self.known.items()
+            if key not in cases
+            and (key not in replayed or not all(k.replayed for k in entries))
+        ):
+            raise ValueError(f"known failures name no case of the matrix: {unknown}")
+        if stray := sorted(set().union(*self.workloads.values()) - cells):
+            raise ValueError(f"workloads name no cell of the matrix: {stray}")
+        if set(self.workload_turns) - set(self.workloads):
+            raise ValueError("workload_turns names a workload the matrix does not run")
+
+    def _workload_case(self, cell: Case, name: str) -> Case:
+        spec, turns = self.catalog[name], self.workload_turns.get(name)
+        case = replace(
+            cell, workload=name, fixed_turns=spec.turns, own_servers=spec.own_servers
+        )
+        return case if turns is None else replace(case, num_turns=turns, resend=False)
 
     def servers_key(self, case_id: str) -> str:
         """Its servers' key: its cell's, or its own where it starts its own."""
@@ -208,8 +192,7 @@ class Matrix:
 
     def known_for(self, case_id: str) -> tuple[Known, ...]:
         """The known failures of a case (its own, or its cell's) that hold here."""
-        case = self.cases[case_id]
-        entries = self.known.get(case_id, self.known.get(case.cell, ()))
+        entries = self.known.get(case_id, self.known.get(self.cases[case_id].cell, ()))
         return tuple(k for k in entries if k.holds() and not k.replayed)
 
     def replayed_known(self, cell: str) -> dict[str, Known]:
@@ -228,7 +211,7 @@ class Matrix:
         binding: Binding,
         deployment: Deployment,
         mode: Mode,
-        in_process: InProcess | None = None,
+        in_process: workload.InProcess | None = None,
     ) -> CaseRecord:
         """``case_id`` played on ``suite``'s servers as served, held to its known
         failures: its cell's conversation or its workload's play."""
@@ -237,10 +220,10 @@ class Matrix:
         judge_confirmed_elsewhere(known, {r.case_id: r.verdict for r in suite.records})
         served = (suite, case_id, binding, deployment, mode)
         if case.workload is not None:
-            workload = self.catalog[case.workload]
-            assert workload.play is not None, f"{workload.name} has no real-server play"
-            run = WorkloadRun(*served, known, case.num_turns, case.resend, in_process)
-            return workload.play(run)
+            spec = self.catalog[case.workload]
+            assert spec.play is not None, f"{spec.name} has no real-server play"
+            fields = (*served, known, case.num_turns, case.resend, in_process)
+            return spec.play(workload.WorkloadRun(*fields))
         shapes: tuple[str, ...] = (case.shape,) if case.shape else ()
         if case.at_once:
             units = None if in_process is None else in_process.units(mode)
@@ -256,15 +239,14 @@ class Matrix:
         )
 
     def concurrent_shapes(self, case_id: str, units: Units | None) -> tuple[str, ...]:
-        """The shapes of its cell that pass alone at ``units``, played at once. One
-        that fails alone is left out, not expected to fail: in a batch that
-        depends on how the prefills split, and its own case holds it."""
+        """The cell's shapes that pass alone at ``units``; one failing alone is left
+        out, as batched it fails or not as prefills split (its case holds it)."""
         case = self.cases[case_id]
         if not case.at_once:
             return ()
         return tuple(
             shape
-            for shape in SHAPES
+            for shape in conversation.SHAPES
             if f"{case.cell}-{shape}" in self.cases
             and select_known(self.known_for(f"{case.cell}-{shape}"), units) is None
         )
@@ -274,9 +256,8 @@ class Matrix:
         device_marks: Callable[[int], list] | None = None,
         skip: Callable[[str], str | None] | None = None,
     ) -> list:
-        """One ``pytest.param(case_id)`` per case, marked with its servers key;
-        ``device_marks(n)``: the marks of a case needing ``n`` > 1 devices;
-        ``skip(case_id)``: why this machine cannot run it, if so."""
+        """A ``pytest.param(case_id)`` per case, marked with its servers key, with
+        ``device_marks(n)`` on ``n`` > 1 devices, skipped where ``skip`` says why."""
         params = []
         for case_id, case in self.cases.items():
             deployment = self.deployments[case.deployment]
@@ -288,8 +269,7 @@ class Matrix:
             marks = [servers_mark(key, seconds)]
             if device_marks is not None and deployment.num_devices > 1:
                 marks += device_marks(deployment.num_devices)
-            reason = None if skip is None else skip(case_id)
-            if reason is not None:
+            if skip is not None and (reason := skip(case_id)) is not None:
                 marks.append(pytest.mark.skip(reason=reason))
             params.append(pytest.param(case_id, id=case_id, marks=marks))
         return params

@@ -106,46 +106,42 @@ def check_paths(
 def _across_paths(turn: Turn, noise: PathNoise, tolerance: float | None) -> Found:
     name, out, twin, rec = turn.name, turn.output, turn.twin, turn.recompute
     found = Found()
+    problems: list[str] = []
     if rec is None:
         return found  # a resend's cold first request
     if turn.batched and out is not None and twin is not None:
         names = ("hit", "batched cold twin")
         why, found = compare(name, out, twin, names, tolerance, False)
         if why and turn.restored:
-            problem = (
+            problems.append(
                 f"{name}: the batched hit, {turn.restored} tokens restored from "
                 f"the prefix cache, differs from its batched cold twin, {why} "
                 f"({noise}): the restored state is wrong"
             )
-            found += Found((problem,))
         elif why:
-            problem = (
+            problems.append(
                 f"{name}: restored nothing, yet differs from its batched cold "
                 f"twin, {why} ({noise}): path noise beyond what this case's cold "
                 f"controls showed"
             )
-            found += Found((problem,))
     elif turn.mid_block and out is not None:
-        reference = twin if twin is not None else rec
         other = "cold twin" if twin is not None else "recompute"
         names = ("hit", f"{other} (mid-block: measured noise)")
-        why, found = compare(name, out, reference, names, tolerance, False)
+        why, found = compare(name, out, twin or rec, names, tolerance, False)
         if why:
-            problem = (
+            problems.append(
                 f"{name}: the hit, {turn.restored} tokens restored from the "
                 f"prefix cache mid-block, differs from its {other}, {why} "
                 f"({noise}): the restored state is wrong"
             )
-            found += Found((problem,))
     if twin is not None and not turn.batched and turn.relay is None:
         names = ("cold twin", "decoder alone")
         why, seen = compare(name, twin, rec, names, tolerance, False)
         found += seen
         if why:
-            problem = (
+            problems.append(
                 f"{name}: the decoder's output from the transferred KV and state "
                 f"(cold twin) differs from its own recompute, {why} ({noise}): "
                 f"the transferred state is wrong"
             )
-            found += Found((problem,))
-    return found
+    return found + Found(tuple(problems))

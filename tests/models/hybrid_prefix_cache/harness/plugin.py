@@ -14,13 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.models.hybrid_prefix_cache.harness.cases import Suite
-from tests.models.hybrid_prefix_cache.harness.matrix import (
-    SERVERS_MARK,
-    group_by_servers,
-    shard_by_cost,
-)
-from tests.models.hybrid_prefix_cache.harness.servers import report_folder
+from tests.models.hybrid_prefix_cache.harness import cases, matrix, servers
 
 __all__ = ["pytest_configure"]
 
@@ -28,7 +22,7 @@ __all__ = ["pytest_configure"]
 def pytest_configure(config) -> None:
     config.addinivalue_line(
         "markers",
-        f"{SERVERS_MARK}(key): tests with the same key need the same "
+        f"{matrix.SERVERS_MARK}(key): tests with the same key need the same "
         "servers and run one after another",
     )
     if not config.pluginmanager.has_plugin(SuitePlugin.NAME):
@@ -42,7 +36,7 @@ class SuitePlugin:
     NAME = "hybrid-prefix-cache"
 
     def __init__(self) -> None:
-        self.suite: Suite | None = None
+        self.suite: cases.Suite | None = None
         self.started = time.monotonic()
         self.collection = 0.0
         self.tests: dict[str, dict] = {}
@@ -56,9 +50,8 @@ class SuitePlugin:
             signal.signal(signal.SIGTERM, signal.default_int_handler)
 
     @pytest.fixture(scope="session")
-    def hybrid_suite(self) -> Iterator[Suite]:
-        """The session's :class:`Suite`, closed at the end."""
-        self.suite = Suite()
+    def hybrid_suite(self) -> Iterator[cases.Suite]:
+        self.suite = cases.Suite()
         yield self.suite
         self.suite.close()
 
@@ -78,11 +71,11 @@ class SuitePlugin:
     # Before pytest-shard, whose hash split would part tests sharing servers.
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_modifyitems(self, config, items) -> None:
-        group_by_servers(items)
+        matrix.group_by_servers(items)
         shards = config.getoption("num_shards", default=None)
         if not shards or shards < 2:
             return
-        keep = shard_by_cost(items, config.getoption("shard_id"), shards)
+        keep = matrix.shard_by_cost(items, config.getoption("shard_id"), shards)
         if keep is None:  # a test without a cost: pytest-shard's split
             return
         chosen = {id(item) for item in keep}
@@ -102,7 +95,7 @@ class SuitePlugin:
             test["outcome"] = "xfailed" if xfailed else report.outcome
 
     def pytest_sessionfinish(self) -> None:
-        folder = report_folder(create=False)
+        folder = servers.report_folder(create=False)
         if not self.tests or not folder.is_dir():
             return
         data = {
@@ -125,9 +118,8 @@ class SuitePlugin:
         for r in suite.records:
             failed = sum(1 for t in r.turns if t.problems)
             notices = sum(len(t.notices) for t in r.turns) + len(r.notices)
-            start = "+".join(f"{s:.0f}" for s in r.startup_seconds) or (
-                "reused" if r.reused else "-"
-            )
+            reused = "reused" if r.reused else "-"
+            start = "+".join(f"{s:.0f}" for s in r.startup_seconds) or reused
             write(
                 f"{r.case_id:<34} {r.verdict or r.outcome:<18} {len(r.turns):>5} "
                 f"{failed:>6} {notices:>7} {start:>8} {r.seconds:>7.1f}"
@@ -135,5 +127,5 @@ class SuitePlugin:
         write(
             f"servers started: {suite.pool.starts}, "
             f"deployments reused: {suite.pool.reuses}, "
-            f"records in {report_folder().resolve()}"
+            f"records in {servers.report_folder().resolve()}"
         )

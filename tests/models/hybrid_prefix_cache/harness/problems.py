@@ -32,9 +32,7 @@ class Problem(str):
         cls, text: str, kind: str = "", where: str = "", **numbers: object
     ) -> "Problem":
         if kind and (kind not in KINDS or set(numbers) != set(KINDS[kind])):
-            raise ValueError(
-                f"{kind}: its numbers are {KINDS.get(kind)}, not {numbers}"
-            )
+            raise ValueError(f"{kind}'s numbers are {KINDS.get(kind)}, not {numbers}")
         problem = super().__new__(cls, text)
         problem.kind, problem.where, problem.numbers = kind, where, dict(numbers)
         return problem

@@ -1,24 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""A case's record (:class:`CaseRecord`): what it observed and its verdict, for the
-test's ``assert record.ok, record.explain()``, and its JSON report (:func:`report`),
-from which ``tests.models.hybrid_prefix_cache.reproducer`` writes a reproducer."""
+"""A case's record (:class:`CaseRecord`): what it saw and its verdict, for ``assert
+record.ok, record.explain()``, and its JSON (:func:`report`), for the reproducer."""
 
 import json
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from tests.models.hybrid_prefix_cache.harness.compare import (
-    Comparison,
-    Sample,
-    Turn,
-    first_divergence,
-)
-from tests.models.hybrid_prefix_cache.harness.deployment import Units
-from tests.models.hybrid_prefix_cache.harness.paths import PathNoise
+from tests.models.hybrid_prefix_cache.harness import compare, deployment, paths, servers
 from tests.models.hybrid_prefix_cache.harness.problems import Problem
-from tests.models.hybrid_prefix_cache.harness.servers import report_folder
 
 
 def _findings(problems: Sequence[str]) -> list[dict]:
@@ -26,11 +17,10 @@ def _findings(problems: Sequence[str]) -> list[dict]:
     return [p.as_json() for p in problems if isinstance(p, Problem) and p.kind]
 
 
-def _gap(comparison: Comparison | None) -> str:
+def _gap(comparison: compare.Comparison | None) -> str:
     if comparison is None:
         return "-"
-    tied = "~" if comparison.divergence else ""
-    return f"{tied}{comparison.gap:.3g}"
+    return f"{'~' if comparison.divergence else ''}{comparison.gap:.3g}"
 
 
 class CaseProblems:
@@ -38,10 +28,10 @@ class CaseProblems:
     problems of its turns and its own, and its turn table."""
 
     case_id: str
-    units: Units | None
-    turns: Sequence[Turn]
+    units: deployment.Units | None
+    turns: Sequence[compare.Turn]
     problems: Sequence[str]
-    noise: PathNoise | None
+    noise: paths.PathNoise | None
 
     def failures(self) -> list[str]:
         return [p for turn in self.turns for p in turn.problems] + list(self.problems)
@@ -59,11 +49,10 @@ class CaseProblems:
 
 def format_table(case: CaseProblems) -> str:
     """Per turn: the hit, its recompute's tokens, the hit's gap to the request on its
-    own path (``max|dlp|``: batched, its recompute alone on a batch-invariant server,
-    the same prompt alone's prefill step at the servers' threads, or else its batched
-    cold twin) and the gap across paths with its tolerance (``path|dlp|``, ``tol``:
-    under P/D the transfer relay against the decoder alone, exactly, or else the cold
-    twin against it, within the measured noise); ``~``: samples part, up to there."""
+    own path (``max|dlp|``; batched: its recompute alone on a batch-invariant server,
+    its prompt's prefill step alone, or its batched cold twin), and across paths with
+    its tolerance (``path|dlp|``, ``tol``; P/D: the relay against the decoder alone,
+    exactly, else cold twin, within measured noise); ``~``: up to where samples part."""
     units = case.units
     geometry = f"hit unit {units.hit}, block {units.block}" if units else "no geometry"
     lines = [
@@ -97,7 +86,7 @@ def format_table(case: CaseProblems) -> str:
     return "\n".join(lines)
 
 
-def _sample(s: Sample | None) -> dict | None:
+def _sample(s: compare.Sample | None) -> dict | None:
     if s is None:
         return None
     return {
@@ -109,7 +98,8 @@ def _sample(s: Sample | None) -> dict | None:
     }
 
 
-def _turn_json(t: Turn) -> dict:
+def _turn_json(t: compare.Turn) -> dict:
+    out, rec = t.output, t.recompute
     return {
         "conversation": t.conversation,
         "turn": "resend" if t.resend else t.index,
@@ -117,17 +107,13 @@ def _turn_json(t: Turn) -> dict:
         "prev_len": t.prev_len,
         "expected": t.expected,
         "bound": t.bound,
-        "cached": t.output.cached_tokens if t.output else None,
-        "decoder_cached": t.output.decoder_hit if t.output else None,
+        "cached": out.cached_tokens if out else None,
+        "decoder_cached": out.decoder_hit if out else None,
         "max_logprob_diff": t.max_logprob_diff,
-        "divergence": (
-            first_divergence(t.output, t.recompute)
-            if t.output and t.recompute
-            else None
-        ),
+        "divergence": compare.first_divergence(out, rec) if out and rec else None,
         "seconds": round(t.seconds, 2),
-        "hit": _sample(t.output),
-        "recompute": _sample(t.recompute),
+        "hit": _sample(out),
+        "recompute": _sample(rec),
         "twin": _sample(t.twin),
         "control": _sample(t.control),
         "more_controls": [_sample(c) for c in t.more_controls],
@@ -151,10 +137,9 @@ class CaseRecord(CaseProblems):
     prints it under a failed ``assert record.ok``, where ``explain()`` said it all."""
 
     case_id: str
-    # The pytest node that ran the case, if any (dev/benchmark_cpu_tier.py).
-    test: str = ""
-    units: Units | None = None
-    turns: tuple[Turn, ...] = ()
+    test: str = ""  # the pytest node that ran it, if any (dev/benchmark_cpu_tier.py)
+    units: deployment.Units | None = None
+    turns: tuple[compare.Turn, ...] = ()
     metrics: Mapping = field(default_factory=dict)
     problems: tuple[str, ...] = ()
     notices: tuple[str, ...] = ()
@@ -166,7 +151,7 @@ class CaseRecord(CaseProblems):
     # The summary's word where a known-failure table judged the outcome:
     # known xfail, known refusal, or FAIL (stale table, XPASS); else outcome.
     verdict: str = ""
-    noise: PathNoise | None = None  # what its cold controls measured
+    noise: paths.PathNoise | None = None  # what its cold controls measured
     serve: Mapping | None = None  # its servers, for the reproducer
 
     def __repr__(self) -> str:
@@ -238,7 +223,7 @@ def report(record: CaseRecord, summary: list[CaseRecord] | None = None) -> None:
         print(f"problem: {problem}")
     if summary is not None:
         summary.append(record)
-    path = report_folder() / f"{record.case_id}.json"
+    path = servers.report_folder() / f"{record.case_id}.json"
     path.write_text(json.dumps(record.as_json(), indent=1))
     if not record.ok:
         print(f"record: {path} (its reproducer: dev/suite.sh reproduce {path})")

@@ -11,13 +11,12 @@ from tests.models.hybrid_prefix_cache.harness.problems import Problem
 
 ALONE = "same prompt alone (prefill step)"
 
-# Both resume from one checkpoint and compute the same tokens in one step: only
-# the batch differs (a recompute chunks otherwise: findings/batch-noise-cpu.md).
-# vLLM's CPU kernels compute prefill rows alike in any batch: attention splits
-# the KV only for one-token query tiles (csrc/cpu/cpu_attn_impl.hpp,
-# split_kv_q_token_num_threshold), the GEMM takes brgemm above 4 rows
-# (csrc/cpu/sgl-kernels/gemm.h, can_use_brgemm). Later tokens are decode steps,
-# whose kernels differ alone and batched: the concurrent cases judge those.
+# Both resume from one checkpoint and compute the same tokens in one step: only the
+# batch differs (a recompute chunks otherwise: findings/batch-noise-cpu.md). vLLM's CPU
+# kernels compute prefill rows alike in any batch: attention splits the KV only for
+# one-token query tiles (csrc/cpu/cpu_attn_impl.hpp, split_kv_q_token_num_threshold),
+# the GEMM takes brgemm above 4 rows (csrc/cpu/sgl-kernels/gemm.h, can_use_brgemm).
+# Later tokens' decode kernels differ batched: the concurrent cases judge those.
 
 
 def check_prefill_steps(
@@ -46,20 +45,16 @@ def check_prefill_steps(
         judged += 1
         # the prefill step computes the first token
         hit, names = turn.output.head(1), ("hit", ALONE)
-        why, seen = compare(turn.name, hit, alone.head(1), names, 0.0, True)
-        found[i] += seen
+        why, found[i] = compare(turn.name, hit, alone.head(1), names, 0.0, True)
         if why:
-            apart = Problem(
+            text = (
                 f"{turn.name}: the batched hit, {turn.restored} tokens restored "
                 f"from the prefix cache, differs in its prefill step from the "
                 f"same prompt alone on the same checkpoint, {why}: the state "
-                f"restored in a shared batch, or the prefill from it, is wrong",
-                "hit-apart",
-                turn.name,
-                restored=turn.restored,
-                control=ALONE,
+                f"restored in a shared batch, or the prefill from it, is wrong"
             )
-            found[i] += Found((apart,))
+            numbers = dict(restored=turn.restored, control=ALONE)
+            found[i] += Found((Problem(text, "hit-apart", turn.name, **numbers),))
     if not judged:
         no_hit = (
             f"{turns[batched[-1]].name}: no batched hit hit what its prompt alone "

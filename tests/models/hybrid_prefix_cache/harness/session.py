@@ -1,8 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""A case in progress (:class:`CaseSession`): what it has observed, its play and
-its counter window. :func:`case_session` judges it against its known failures,
-freezes and writes its :class:`CaseRecord`, and only then raises the outcome."""
+"""A case in progress (:class:`CaseSession`); :func:`case_session` judges it by its
+known failures, writes its record, and only then raises the outcome."""
 
 import contextlib
 import os
@@ -12,12 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tests.models.hybrid_prefix_cache.harness.client import (
-    MAX_TOKENS,
-    PREFILL_KV_TRANSFER_PARAMS,
-    cache_config,
-)
-from tests.models.hybrid_prefix_cache.harness.clock import CLOCK, PhaseClock
+from tests.models.hybrid_prefix_cache.harness import client, clock, records, window
 from tests.models.hybrid_prefix_cache.harness.compare import NUM_LOGPROBS, Turn
 from tests.models.hybrid_prefix_cache.harness.conversation import Play
 from tests.models.hybrid_prefix_cache.harness.deployment import (
@@ -30,25 +24,15 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (
 )
 from tests.models.hybrid_prefix_cache.harness.known import judge_failure, judge_pass
 from tests.models.hybrid_prefix_cache.harness.paths import PathNoise
-from tests.models.hybrid_prefix_cache.harness.records import (
-    CaseProblems,
-    CaseRecord,
-    report,
-    serve_info,
-)
+from tests.models.hybrid_prefix_cache.harness.records import CaseRecord
 from tests.models.hybrid_prefix_cache.harness.servers import ServerPool, report_folder
-from tests.models.hybrid_prefix_cache.harness.window import (
-    Window,
-    close_window,
-    open_window,
-)
+from tests.models.hybrid_prefix_cache.harness.window import Window
 
 
 @dataclass(repr=False)
-class CaseSession(CaseProblems):
-    """A case while it runs, and the only writer of its state: its servers
-    (:meth:`serve`), its turns, problems and notices (:meth:`add`). ``record``
-    is None until :func:`case_session` ends it; nothing writes after that."""
+class CaseSession(records.CaseProblems):
+    """A case while it runs, the only writer of its state (:meth:`serve`, :meth:`add`)
+    until :func:`case_session` ends it and sets ``record``."""
 
     case_id: str
     test: str = ""
@@ -60,7 +44,7 @@ class CaseSession(CaseProblems):
     metrics: dict = field(default_factory=dict)
     startup_seconds: list[float] = field(default_factory=list)
     reused: bool | None = None  # None: no servers (their start failed)
-    phases: PhaseClock = field(default_factory=PhaseClock)
+    phases: clock.PhaseClock = field(default_factory=clock.PhaseClock)
     play: Play | None = None
     window: Window | None = None
     record: CaseRecord | None = None
@@ -103,22 +87,14 @@ class CaseSession(CaseProblems):
         if not self.reused:
             self.startup_seconds = [s.startup_seconds or 0.0 for s in servers]
         try:
-            # The hit unit is that of the instance that consults its prefix
-            # cache: the prefiller under P/D.
-            self.units = Units.from_cache_config(cache_config(servers[0]), mode)
-            self.window = open_window(servers)
-            self.play = Play(
-                servers,
-                binding,
-                deployment,
-                mode,
-                self.units,
-                binding.logprob_atol,
-                batched=batched,
-                prefill_step=prefill_step,
-            )
+            # Units of the instance that consults its cache: the prefiller under P/D.
+            self.units = Units.from_cache_config(client.cache_config(servers[0]), mode)
+            self.window = window.open_window(servers)
+            served = (servers, binding, deployment, mode, self.units)
+            atol = binding.logprob_atol
+            self.play = Play(*served, atol, batched=batched, prefill_step=prefill_step)
             yield self.play
-            self.metrics, problems = close_window(self.window, mode, self.turns)
+            self.metrics, problems = window.close_window(self.window, mode, self.turns)
             self.problems += problems
         except (Exception, KeyboardInterrupt):
             # Not on pytest's skip/xfail outcomes: those leave servers sound.
@@ -151,8 +127,8 @@ class CaseSession(CaseProblems):
             outcome=outcome,
             verdict=verdict,
             noise=self.noise,
-            serve=serve_info(
-                play, MAX_TOKENS, NUM_LOGPROBS, PREFILL_KV_TRANSFER_PARAMS
+            serve=records.serve_info(
+                play, client.MAX_TOKENS, NUM_LOGPROBS, client.PREFILL_KV_TRANSFER_PARAMS
             ),
         )
 
@@ -179,8 +155,7 @@ def failure_summary(case: CaseSession, error: BaseException | None) -> str:
     and turn table, or the exception, then the server logs and record by path."""
     parts = [case.explain() if error is None else f"{type(error).__name__}: {error}"]
     holders = case.play.servers if case.play is not None else [error]
-    paths = [getattr(holder, "log_path", None) for holder in holders]
-    logs = [str(path) for path in paths if path is not None]
+    logs = [str(p) for h in holders if (p := getattr(h, "log_path", None)) is not None]
     if logs:
         parts.append("server logs: " + ", ".join(logs))
     parts.append(f"record: {report_folder() / f'{case.case_id}.json'}")
@@ -200,14 +175,14 @@ def case_session(
     test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
     case = CaseSession(case_id, test=test, known=tuple(known))
     start = time.monotonic()
-    clock = CLOCK.set(case.phases)
+    token = clock.CLOCK.set(case.phases)
     error = None
     try:
         yield case
     except BaseException as e:
         error = e
     finally:
-        CLOCK.reset(clock)
+        clock.CLOCK.reset(token)
     # A case pytest skipped or xfailed itself, or an interrupt, is not judged.
     entry = case.entry if error is None or isinstance(error, Exception) else None
     if entry is None:
@@ -227,7 +202,7 @@ def case_session(
         outcome = "pass" if case.ok else "FAIL"
     verdict = "" if judgment is None else judgment.verdict
     case.record = case.freeze(outcome, verdict, time.monotonic() - start)
-    report(case.record, summary)
+    records.report(case.record, summary)
     if judgment is not None:
         judgment.enact(error)
     if error is not None:

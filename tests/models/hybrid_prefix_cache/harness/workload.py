@@ -7,7 +7,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from tests.models.hybrid_prefix_cache.harness.cases import Suite
+from tests.models.hybrid_prefix_cache.harness import cases, records, rules
 from tests.models.hybrid_prefix_cache.harness.deployment import (
     Binding,
     Deployment,
@@ -15,8 +15,6 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (
     Mode,
     Units,
 )
-from tests.models.hybrid_prefix_cache.harness.records import CaseRecord
-from tests.models.hybrid_prefix_cache.harness.rules import NUM_TURNS
 from tests.models.hybrid_prefix_cache.harness.session import CaseSession, case_session
 
 
@@ -35,18 +33,17 @@ class WorkloadRun:
     """One workload case on real servers: where it runs, its known failures,
     its matrix's turns, and the tier's in-process engines (None on B200)."""
 
-    suite: Suite
+    suite: cases.Suite
     case_id: str
     binding: Binding
     deployment: Deployment
     mode: Mode
     known: tuple[Known, ...] = ()
-    num_turns: int = NUM_TURNS
+    num_turns: int = rules.NUM_TURNS
     resend: bool = True
     in_process: InProcess | None = None
 
     def session(self) -> AbstractContextManager[CaseSession]:
-        """The case's session, judged by its known failures."""
         return case_session(self.case_id, self.suite.records, self.known)
 
     def needs_in_process(self) -> InProcess:
@@ -66,10 +63,9 @@ class Workload:
     name: str
     holds: str
     rule: str
-    play: Callable[[WorkloadRun], CaseRecord] | None = None
+    play: Callable[[WorkloadRun], records.CaseRecord] | None = None
     own_servers: bool = False  # started after the cell's other servers
     turns: int | None = None  # its requests where it plays no cell turns (Case.turns)
 
     def failure(self, detail: str) -> str:
-        """A record's problem that names the property."""
         return f"{self.name}: {self.holds} ({detail})"
