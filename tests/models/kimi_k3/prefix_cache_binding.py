@@ -20,7 +20,6 @@ DRAFT = os.environ.get(
     "KIMI_K3_PREFIX_CACHE_DRAFT", "vllm-project/Kimi-K3-DSpark-for-8L-dummy"
 )
 
-PARTIAL_UNIT = 128
 GiB = 1 << 30
 
 # Seeded weights, under which a wrong restored state shows (not under vLLM's dummy
@@ -29,15 +28,10 @@ LOAD_FORMAT = os.environ.get(
     "KIMI_K3_PREFIX_CACHE_LOAD_FORMAT", seeded_load.LOAD_FORMAT
 )
 BASE_ARGS = (
-    "--trust-remote-code",
-    "--language-model-only",
-    "--load-format",
-    LOAD_FORMAT,
-    "--no-enable-flashinfer-autotune",
-    "--enable-prompt-tokens-details",
+    *("--trust-remote-code", "--language-model-only", "--load-format", LOAD_FORMAT),
+    *("--no-enable-flashinfer-autotune", "--enable-prompt-tokens-details"),
     # The default max_num_seqs runs one GPU out of memory in warmup.
-    "--max-num-seqs",
-    "8",
+    *("--max-num-seqs", "8"),
 )
 
 DSPARK = {
@@ -63,7 +57,7 @@ MOONCAKE_PROTOCOL = os.environ.get("MOONCAKE_PROTOCOL", "rdma")
 MOONCAKE_LEASE_TTL_MS = 60_000
 MOONCAKE_ENV = {"MC_MAX_MR_SIZE": str(4 * GiB)}
 
-MODES = harness.matrix_modes(PARTIAL_UNIT, "dspark", DSPARK)
+MODES = harness.matrix_modes(partial_unit=128, drafter="dspark", spec=DSPARK)
 
 # DSpark by release, as upstream's Kimi-K3 test states it: 0.32 drops the trailing
 # hit unit; 0.33 keeps it (config/speculative.py needs_eagle_block_drop).
@@ -132,11 +126,10 @@ _HOST_LOSS = Known(
 _REPLAYED = {"dcp2-offload-partial-aligned": (_HOST_LOSS,)}
 KNOWN: dict[str, dict[str, tuple[Known, ...]]] = {
     "sm100": {
-        **{
-            f"{deployment}-{mode}": (_DCP_SPEC,)
-            for deployment in ("dcp2", "dcp2-offload")
-            for mode in ("block-dspark", "partial-dspark")
-        },
+        "dcp2-block-dspark": (_DCP_SPEC,),
+        "dcp2-partial-dspark": (_DCP_SPEC,),
+        "dcp2-offload-block-dspark": (_DCP_SPEC,),
+        "dcp2-offload-partial-dspark": (_DCP_SPEC,),
         **_REPLAYED,
     },
     # Nothing seen failing on MI355 yet; add entries with their evidence.
@@ -167,10 +160,8 @@ def _platform() -> str | None:
 PLATFORM = _platform()
 PLATFORM_SKIP = pytest.mark.skipif(
     PLATFORM is None,
-    reason=(
-        "Kimi-K3 kernels need an SM100-family NVIDIA GPU or an MI355 (gfx950); "
-        f"this is {current_platform.device_name!r}"
-    ),
+    reason="Kimi-K3 kernels need an SM100-family NVIDIA GPU or an MI355 (gfx950); "
+    f"this is {current_platform.device_name!r}",
 )
 
 # cache_config.block_size on B200 by (TP size, drafts with DSpark), from
@@ -217,7 +208,6 @@ BINDING = harness.Binding(
 
 
 def served(case_id: str) -> tuple[harness.Binding, Deployment, Mode]:
-    """The binding, deployment and mode of ``case_id`` as served (:func:`exact`)."""
     deployment, mode = MATRIX.served(case_id)
     return (*exact(deployment, mode), mode)
 

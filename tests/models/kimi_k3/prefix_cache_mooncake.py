@@ -19,16 +19,17 @@ from tests.models.kimi_k3 import prefix_cache_binding as kimi
 from vllm.utils.network_utils import get_open_port
 
 
-def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float) -> None:
+def _not_listening(port: int, proc: subprocess.Popen, timeout: float) -> str:
+    """Why ``proc`` is not listening on ``port`` after at most ``timeout``, or ""."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"mooncake_master exited with {proc.returncode}")
+            return f"mooncake_master exited with {proc.returncode}"
         with socket.socket() as sock:
             if sock.connect_ex(("127.0.0.1", port)) == 0:
-                return
+                return ""
         time.sleep(0.2)
-    raise RuntimeError(f"mooncake_master did not listen on {port} in {timeout} s")
+    return f"mooncake_master did not listen on {port} in {timeout} s"
 
 
 @contextlib.contextmanager
@@ -45,24 +46,15 @@ def mooncake_master(folder: Path, pool: ServerPool) -> Iterator[str]:
             pytrace=False,
         )
     port, metrics_port = get_open_port(), get_open_port()
+    args = [master, f"--port={port}", f"--metrics_port={metrics_port}"]
+    args += ["--enable_metric_reporting=false"]
+    args += [f"--default_kv_lease_ttl={kimi.MOONCAKE_LEASE_TTL_MS}"]
     log_path = folder / "mooncake_master.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [
-                master,
-                f"--port={port}",
-                f"--metrics_port={metrics_port}",
-                "--enable_metric_reporting=false",
-                f"--default_kv_lease_ttl={kimi.MOONCAKE_LEASE_TTL_MS}",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
     try:
-        try:
-            _wait_for_port(port, proc, timeout=60)
-        except RuntimeError as e:
-            raise RuntimeError(f"{e}\n{log_path.read_text(errors='replace')}") from None
+        if why := _not_listening(port, proc, timeout=60):
+            raise RuntimeError(f"{why}\n{log_path.read_text(errors='replace')}")
         config = {
             "metadata_server": "P2PHANDSHAKE",
             "master_server_address": f"127.0.0.1:{port}",

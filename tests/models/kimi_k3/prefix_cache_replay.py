@@ -1,8 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The Kimi-K3 matrix as the scheduler tier replays it (:data:`KIMI`): every
-cell at its stated B200 geometry, on the tiny model's config, with the
-B200 servers' scheduler settings."""
+"""The Kimi-K3 matrix as the scheduler tier replays it (:data:`KIMI`): every cell at
+its stated B200 geometry, on the tiny model's config, with B200's scheduler settings."""
 
 from pathlib import Path
 
@@ -43,10 +42,9 @@ def kimi_engines(
         block = kimi.stated_block(instance, mode)
         if isinstance(block, str):
             pytest.skip(block)
-        geometry = scheduler.StatedGeometry(block, kda_checkpoint)
-        engines.append(
-            scheduler.stated_engine(str(model), geometry, instance, mode, **settings)
-        )
+        stated = scheduler.StatedGeometry(block, kda_checkpoint)
+        engine = scheduler.stated_engine(str(model), stated, instance, mode, **settings)
+        engines.append(engine)
     return engines
 
 

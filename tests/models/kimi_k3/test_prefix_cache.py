@@ -10,15 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.models.hybrid_prefix_cache.harness import (
-    CaseRecord,
-    Deployment,
-    Mode,
-    Suite,
-    case_seconds,
-    run_resend,
-    servers_mark,
-)
+from tests.models.hybrid_prefix_cache import harness
+from tests.models.hybrid_prefix_cache.harness import CaseRecord, Deployment, Mode, Suite
 from tests.models.kimi_k3 import prefix_cache_binding as kimi
 from tests.models.kimi_k3.prefix_cache_mooncake import mooncake_master
 from tests.utils import multi_gpu_marks
@@ -30,6 +23,9 @@ pytest_plugins = ("tests.models.hybrid_prefix_cache.harness.plugin",)
 pytestmark = kimi.PLATFORM_SKIP
 
 PARAMS = kimi.MATRIX.params(device_marks=lambda n: multi_gpu_marks(num_gpus=n))
+# The resends run right after the plain cell in RESEND_MODE, on its servers
+# (a cold request and the resend each).
+RESEND_CELL = f"plain-{kimi.RESEND_MODE}"
 
 
 @pytest.mark.parametrize("case_id", PARAMS)
@@ -52,14 +48,12 @@ def check_stated_block(record: CaseRecord, deployment: Deployment, mode: Mode):
     )
 
 
-# The resends run right after the plain cell in RESEND_MODE, on its servers
-# (a cold request and the resend each).
-@servers_mark(f"plain-{kimi.RESEND_MODE}", case_seconds(1, 2, start=False))
+@harness.servers_mark(RESEND_CELL, harness.case_seconds(1, 2, start=False))
 @pytest.mark.parametrize("prompt_len", kimi.RESEND_LENGTHS, ids=lambda n: f"resend-{n}")
 def test_exact_resend(request, hybrid_suite: Suite, prompt_len: int) -> None:
-    case_id = f"plain-{kimi.RESEND_MODE}-{request.node.callspec.id}"
-    binding, plain, mode = kimi.served(f"plain-{kimi.RESEND_MODE}")
-    record = run_resend(hybrid_suite, case_id, binding, plain, mode, prompt_len)
+    case_id = f"{RESEND_CELL}-{request.node.callspec.id}"
+    binding, plain, mode = kimi.served(RESEND_CELL)
+    record = harness.run_resend(hybrid_suite, case_id, binding, plain, mode, prompt_len)
     assert record.ok, record.explain()
 
 
@@ -69,13 +63,13 @@ def mooncake_config(tmp_path: Path, hybrid_suite: Suite) -> Iterator[str]:
         yield config
 
 
-@servers_mark("mooncake-store", case_seconds(1, 2))
+@harness.servers_mark("mooncake-store", harness.case_seconds(1, 2))
 def test_mooncake_store_resend(hybrid_suite: Suite, mooncake_config: str) -> None:
     mode = kimi.MODES[kimi.RESEND_MODE]
-    binding, deployment = kimi.exact(kimi.MOONCAKE_DEPLOYMENT, mode)
+    binding, served = kimi.exact(kimi.MOONCAKE_DEPLOYMENT, mode)
     store = {**kimi.MOONCAKE_ENV, "MOONCAKE_CONFIG_PATH": mooncake_config}
     binding = replace(binding, env={**binding.env, **store})
     length = kimi.MOONCAKE_RESEND_LENGTH
     case_id = f"mooncake-{kimi.RESEND_MODE}-resend-{length}"
-    record = run_resend(hybrid_suite, case_id, binding, deployment, mode, length)
+    record = harness.run_resend(hybrid_suite, case_id, binding, served, mode, length)
     assert record.ok, record.explain()

@@ -1,8 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The workloads beside the growing conversation, one module each, with its
-:class:`harness.Workload` and play (``scheduler.replays`` holds the replays);
-:func:`catalog` finds new ones."""
+"""The workloads beside the growing conversation, one module each with its Workload
+and play (their replays: ``scheduler.replays``); :func:`catalog` finds new ones."""
 
 import functools
 import importlib

@@ -6,38 +6,10 @@ aborted steps wrote and no further (vLLM #56525 loaded a state no step wrote).""
 import random
 import time
 
-from tests.models.hybrid_prefix_cache.harness.client import (
-    PREFILL_KV_TRANSFER_PARAMS,
-    complete,
-    give_up,
-    poll_counters,
-    read_counters,
-    send,
-)
+import tests.models.hybrid_prefix_cache.harness.rules as rules
+from tests.models.hybrid_prefix_cache import harness
+from tests.models.hybrid_prefix_cache.harness import client, conversation, reconcile
 from tests.models.hybrid_prefix_cache.harness.compare import Turn
-from tests.models.hybrid_prefix_cache.harness.conversation import (
-    finish_turns,
-    fresh_salt,
-    planned_turn,
-    random_tokens,
-    recompute_turn,
-    send_turn,
-)
-from tests.models.hybrid_prefix_cache.harness.deployment import Units
-from tests.models.hybrid_prefix_cache.harness.reconcile import (
-    FIRST_TOKENS,
-    PREFIX_QUERIES,
-    REQUESTS_DONE,
-    aborted_entry,
-    counter_deltas,
-)
-from tests.models.hybrid_prefix_cache.harness.records import CaseRecord
-from tests.models.hybrid_prefix_cache.harness.rules import (
-    FIRST_PROMPT_TAIL,
-    PlannedTurn,
-    prompt_end_checkpoint,
-)
-from tests.models.hybrid_prefix_cache.harness.workload import Workload, WorkloadRun
 
 # The client gives up after this fraction of a cold request's time on the
 # same server; a try that missed mid-prefill waits twice as long or half.
@@ -45,92 +17,93 @@ ABORT_AFTER_FRACTION = 0.25
 ABORT_ATTEMPTS = 4
 
 
-def abort_retry_length(units: Units, budget: int) -> int:
+def abort_retry_length(units: harness.Units, budget: int) -> int:
     """The real server's prompt: its checkpoint, the last block boundary within
     ``budget``, ends the first chunk (Scheduler._mamba_block_aligned_split,
     last_cache_position); the tail takes a second step."""
-    return budget // units.block * units.block + FIRST_PROMPT_TAIL
+    return budget // units.block * units.block + rules.FIRST_PROMPT_TAIL
 
 
-def abort_landing(
-    queried: float, first_tokens: float, prompt_len: int, answered: int = 1
-) -> str:
+def abort_landing(queried: float, first: float, length: int, answered: int = 1) -> str:
     """From the counters over the aborted request and the ``answered`` ones after
     it: prefix_cache_queries count a prompt at admission, first tokens a prefill."""
-    if queried < (answered + 1) * prompt_len:
+    if queried < (answered + 1) * length:
         return "before admission"
-    if first_tokens > answered:
+    if first > answered:
         return "after the prefill"
     return "mid-prefill"
 
 
-def abort_checkpoint(landed: str, prompt_len: int, units: Units, drops: bool) -> int:
+def abort_checkpoint(
+    landed: str, prompt_len: int, units: harness.Units, drops: bool
+) -> int:
     """Nothing where the abort preceded admission, else the prompt's checkpoint: the
     first chunk published it when scheduled (MambaManager.cache_blocks), and a
     synchronous engine ran that step before it took the abort (EngineCore.step)."""
     if landed == "before admission":
         return 0
-    return prompt_end_checkpoint(prompt_len, units.hit, drops)
+    return rules.prompt_end_checkpoint(prompt_len, units.hit, drops)
 
 
-def play(run: WorkloadRun) -> CaseRecord:
+def play(run: harness.WorkloadRun) -> harness.CaseRecord:
     """The retry is played as a turn; the prompt's checkpoint ends its first chunk
     under the budget vLLM resolves for the caching instance."""
     __tracebackhide__ = True
     binding, deployment, mode = run.binding, run.deployment, run.mode
     with run.session() as case:
         budget = run.needs_in_process().budget(deployment, mode)
-        with case.serve(binding, deployment, mode, run.suite.pool) as play:
-            servers, model = play.servers, binding.model
-            caching, pd, units = servers[0], len(servers) > 1, play.units
+        with case.serve(binding, deployment, mode, run.suite.pool) as p:
+            servers, model, units = p.servers, binding.model, p.units
+            caching, pd = servers[0], len(servers) > 1
             seen = abort_retry_length(units, budget)
             length = seen + deployment.cache_backoff
             rng = random.Random(run.case_id)
-            prompt = random_tokens(rng, binding.token_ids, length)
-            clocks = [
-                Turn("clock", i, length, 0, 0, prompt=prompt, salt=fresh_salt("clock"))
-                for i in range(2)
-            ]
+            prompt = conversation.random_tokens(rng, binding.token_ids, length)
+            clocks = [Turn("clock", i, length, 0, 0, prompt=prompt) for i in range(2)]
             for clock in clocks:
+                clock.salt = conversation.fresh_salt("clock")
                 case.add(clock)
                 start = time.monotonic()
-                clock.output = send(servers, model, prompt, clock.salt)
+                clock.output = client.send(servers, model, prompt, clock.salt)
                 clock.seconds = time.monotonic() - start
             took = min(clock.seconds for clock in clocks)
             after = ABORT_AFTER_FRACTION * took
             # Under P/D, the client gives up on the prefill leg.
-            leg = {"max_tokens": 1, "kv_transfer_params": PREFILL_KV_TRANSFER_PARAMS}
-            leg = leg if pd else {}
+            transfer = client.PREFILL_KV_TRANSFER_PARAMS
+            leg = {"max_tokens": 1, "kv_transfer_params": transfer} if pd else {}
+            counter = reconcile.REQUESTS_DONE
             for attempt in range(ABORT_ATTEMPTS):
-                before = read_counters(caching)
-                salt = fresh_salt("abort")
-                answered = give_up(caching, model, prompt, salt, after, **leg)
+                before = client.read_counters(caching)
+                salt = conversation.fresh_salt("abort")
+                answered = client.give_up(caching, model, prompt, salt, after, **leg)
                 if answered is not None:
                     if pd:
                         # Its decode leg follows, as through the deployment.
                         params = answered.kv_transfer_params
-                        answered = complete(
+                        answered = client.complete(
                             servers[-1], model, prompt, salt, kv_transfer_params=params
                         )
                     # Answered before the client gave up: a cold request.
                     case.add(Turn("answered", attempt, length, 0, 0, output=answered))
-                planned = PlannedTurn(attempt, length, length)
-                retry = planned_turn(play, "retry", planned)
+                planned = rules.PlannedTurn(attempt, length, length)
+                retry = conversation.planned_turn(p, "retry", planned)
                 case.add(retry)
-                send_turn(play, retry, prompt, salt)
+                conversation.send_turn(p, retry, prompt, salt)
                 # Counted once the retry's (and its twin's) stats are exported.
                 sent = 1 + (retry.twin is not None)
-                done = (before[REQUESTS_DONE] or 0.0) + sent + (answered is not None)
-                now = poll_counters(caching, REQUESTS_DONE, lambda v, d=done: v >= d)
-                moved = counter_deltas(now, before)
+                done = (before[counter] or 0.0) + sent + (answered is not None)
+                now = client.poll_counters(caching, counter, lambda v, d=done: v >= d)
+                moved = reconcile.counter_deltas(now, before)
                 landed = "answered"
                 if answered is None:
-                    queried, first = moved[PREFIX_QUERIES], moved[FIRST_TOKENS]
-                    landed = abort_landing(queried or 0.0, first or 0.0, seen, sent)
+                    queried = moved[reconcile.PREFIX_QUERIES] or 0.0
+                    first = moved[reconcile.FIRST_TOKENS] or 0.0
+                    landed = abort_landing(queried, first, seen, sent)
                     if landed != "before admission":
-                        case.window.book_unanswered(caching, aborted_entry(seen))
+                        entry = reconcile.aborted_entry(seen)
+                        case.window.book_unanswered(caching, entry)
                 retry.expected = abort_checkpoint(landed, seen, units, mode.drops_unit)
-                recompute_turn(play, retry)
+                conversation.recompute_turn(p, retry)
                 case.add(
                     notice=f"attempt {attempt}: the client gave up after "
                     f"{after * 1e3:.0f} ms (a cold request took {took * 1e3:.0f} "
@@ -145,19 +118,16 @@ def play(run: WorkloadRun) -> CaseRecord:
                     f"mid-prefill in {ABORT_ATTEMPTS} attempts (the notices say "
                     f"where each did)"
                 )
-            finish_turns(play, case.turns)
+            conversation.finish_turns(p, case.turns)
             if not case.ok:
-                case.add(
-                    problem=WORKLOAD.failure(
-                        f"a {length}-token prompt, its first chunk of {budget} tokens "
-                        f"a step ending on its checkpoint"
-                    )
-                )
+                chunk = f"its first chunk of {budget} tokens a step"
+                detail = f"a {length}-token prompt, {chunk} ending on its checkpoint"
+                case.add(problem=WORKLOAD.failure(detail))
     assert case.record is not None
     return case.record
 
 
-WORKLOAD = Workload(
+WORKLOAD = harness.Workload(
     "abort-retry",
     "a retry after an abort matches its recompute",
     "v1/core/sched/scheduler.py Scheduler.finish_requests, "

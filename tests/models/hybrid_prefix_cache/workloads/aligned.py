@@ -3,25 +3,18 @@
 """A conversation whose first prompt ends exactly on a block: every turn
 hits its previous prompt's checkpoint and matches its recompute."""
 
-from tests.models.hybrid_prefix_cache.harness.cases import run_case
-from tests.models.hybrid_prefix_cache.harness.records import CaseRecord
-from tests.models.hybrid_prefix_cache.harness.workload import Workload, WorkloadRun
+from tests.models.hybrid_prefix_cache import harness
 
 
-def play(run: WorkloadRun) -> CaseRecord:
+def play(run: harness.WorkloadRun) -> harness.CaseRecord:
     """The sweep's "exact" shape, with the turns its matrix gives it."""
     __tracebackhide__ = True
     cell = (run.suite, run.case_id, run.binding, run.deployment, run.mode)
-    return run_case(
-        *cell,
-        shapes=("exact",),
-        known=run.known,
-        num_turns=run.num_turns,
-        resend=run.resend,
-    )
+    turns = {"num_turns": run.num_turns, "resend": run.resend}
+    return harness.run_case(*cell, shapes=("exact",), known=run.known, **turns)
 
 
-WORKLOAD = Workload(
+WORKLOAD = harness.Workload(
     "aligned",
     "a prompt that ends on a block hits its previous prompt's "
     "checkpoint and matches its recompute",

@@ -3,30 +3,15 @@
 """A conversation under eviction pressure: the hit never exceeds what every
 KV cache group still holds, and the counters agree (vLLM #46453)."""
 
+import functools
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tests.models.hybrid_prefix_cache.harness.client import MAX_TOKENS, send_checked
+from tests.models.hybrid_prefix_cache import harness
+from tests.models.hybrid_prefix_cache.harness import Units, client, conversation, rules
 from tests.models.hybrid_prefix_cache.harness.compare import Found, Turn
-from tests.models.hybrid_prefix_cache.harness.conversation import (
-    finish_turns,
-    fresh_salt,
-    grown_prompt,
-    planned_turn,
-    play_turn,
-    random_tokens,
-    reference_conversation,
-)
-from tests.models.hybrid_prefix_cache.harness.deployment import Units, with_serve_args
 from tests.models.hybrid_prefix_cache.harness.reconcile import PREFIX_HITS
-from tests.models.hybrid_prefix_cache.harness.records import CaseRecord
-from tests.models.hybrid_prefix_cache.harness.rules import (
-    FIRST_PROMPT_TAIL,
-    TURN_TOKENS,
-    PlannedTurn,
-)
-from tests.models.hybrid_prefix_cache.harness.workload import Workload, WorkloadRun
 from tests.models.hybrid_prefix_cache.scheduler.play import send as replay_send
 from tests.models.hybrid_prefix_cache.scheduler.servers import ReplayServer
 from vllm.sampling_params import SamplingParams
@@ -38,14 +23,13 @@ EVICTION_PRESSURE_REQUESTS = 64
 
 
 def eviction_filler(units: Units) -> int:
-    """A pressure request's length: a block and the reference tail."""
-    return units.block + FIRST_PROMPT_TAIL
+    return units.block + rules.FIRST_PROMPT_TAIL
 
 
 def eviction_max_len(first_len: int, max_tokens: int) -> int:
     """The engine's model length: the workload's longest request. vLLM sizes no
     pool below one request of it (kv_cache_utils.py check_enough_kv_cache_memory)."""
-    return first_len + TURN_TOKENS + max_tokens
+    return first_len + rules.TURN_TOKENS + max_tokens
 
 
 def eviction_args(max_model_len: int, kv_cache_bytes: int) -> tuple[str, ...]:
@@ -82,7 +66,7 @@ class Eviction:
     decoder_hit: int | None = None
 
 
-def play(run: WorkloadRun) -> CaseRecord:
+def play(run: harness.WorkloadRun) -> harness.CaseRecord:
     """The first prompt, the replay's pressure requests (:func:`plan` sized the
     pool), then the second turn: it must hit what vLLM's scheduler hit in the
     replay, never more than the least every group still held."""
@@ -91,9 +75,9 @@ def play(run: WorkloadRun) -> CaseRecord:
     # Sized in the session: a sizing that fails leaves its record too.
     with run.session() as case:
         args, replayed = plan(run)
-        served = with_serve_args(run.deployment, args)
-        with case.serve(binding, served, mode, run.suite.pool) as play:
-            servers, model = play.servers, binding.model
+        served = harness.with_serve_args(run.deployment, args)
+        with case.serve(binding, served, mode, run.suite.pool) as p:
+            send = functools.partial(client.send_checked, p.servers, binding.model)
             if replayed.held == replayed.held_before:
                 case.add(
                     problem=f"eviction: the replay's {replayed.pressure} pressure "
@@ -102,30 +86,31 @@ def play(run: WorkloadRun) -> CaseRecord:
                 )
             # The replay's lengths, the case's own tokens.
             rng, tokens = random.Random(case_id), binding.token_ids
-            first_len = reference_conversation(play.units, case_id).first_len
-            prompt, salt = random_tokens(rng, tokens, first_len), fresh_salt("eviction")
+            first_len = conversation.reference_conversation(p.units, case_id).first_len
+            prompt = conversation.random_tokens(rng, tokens, first_len)
+            salt = conversation.fresh_salt("eviction")
             first = Turn("first", 0, first_len, 0, 0, prompt=prompt, salt=salt)
             case.add(first)
-            first.output, found = send_checked(servers, model, prompt, salt)
+            first.output, found = send(prompt, salt)
             first.take(Found(tuple(found)))
-            grown = grown_prompt(rng, tokens, prompt, first.output.token_ids)
-            filler = eviction_filler(play.units)
+            output = first.output.token_ids
+            grown = conversation.grown_prompt(rng, tokens, prompt, output)
+            filler = eviction_filler(p.units)
             for index in range(replayed.pressure):
-                other = random_tokens(rng, tokens, filler)
+                other = conversation.random_tokens(rng, tokens, filler)
                 turn = Turn("pressure", index, filler, 0, 0, prompt=other)
-                turn.salt = fresh_salt("pressure")
+                turn.salt = conversation.fresh_salt("pressure")
                 case.add(turn)
-                turn.output, found = send_checked(servers, model, other, turn.salt)
+                turn.output, found = send(other, turn.salt)
                 turn.take(Found(tuple(found)))
-            turn = planned_turn(play, "evicted", PlannedTurn(1, len(grown), first_len))
+            planned = rules.PlannedTurn(1, len(grown), first_len)
+            turn = conversation.planned_turn(p, "evicted", planned)
             turn.expected, turn.bound = replayed.hit, min(replayed.held)
             case.add(turn)
-            play_turn(play, turn, grown, salt)
+            conversation.play_turn(p, turn, grown, salt)
             assert turn.output is not None
-            hits = {
-                "vLLM's scheduler, replayed": replayed.hit,
-                turn.name: turn.output.cached_tokens,
-            }
+            hits = {"vLLM's scheduler, replayed": replayed.hit}
+            hits[turn.name] = turn.output.cached_tokens
             for who, hit in hits.items():
                 problems = eviction_problems(hit, replayed.held)
                 turn.take(Found(tuple(f"{who}: {why}" for why in problems)))
@@ -140,7 +125,7 @@ def play(run: WorkloadRun) -> CaseRecord:
                         f"scheduler replayed on its engine hit {decoder_hit}"
                     )
                     turn.take(Found((missed,)))
-            finish_turns(play, case.turns)
+            conversation.finish_turns(p, case.turns)
             case.add(
                 notice=f"{replayed.pressure} pressure requests of {filler} tokens; "
                 f"replayed in-process, each group held {list(replayed.held_before)} "
@@ -148,27 +133,21 @@ def play(run: WorkloadRun) -> CaseRecord:
                 f"vLLM's scheduler hit {replayed.hit}{decoder}"
             )
             if not case.ok:
-                case.add(
-                    problem=WORKLOAD.failure(
-                        f"a pool of {' '.join(args)}, {replayed.pressure} "
-                        f"pressure requests"
-                    )
-                )
+                pool = " ".join(args)
+                detail = f"a pool of {pool}, {replayed.pressure} pressure requests"
+                case.add(problem=WORKLOAD.failure(detail))
     assert case.record is not None
     return case.record
 
 
-def plan(run: WorkloadRun) -> tuple[tuple[str, ...], Eviction]:
+def plan(run: harness.WorkloadRun) -> tuple[tuple[str, ...], Eviction]:
     """The servers' arguments and the case as vLLM's own scheduler played it first on
     the engines they build in-process, in a pool grown until vLLM admits it."""
     in_process, seed = run.needs_in_process(), run.case_id
     units, token_ids = in_process.units(run.mode), run.binding.token_ids
-    first_len = reference_conversation(units, seed).first_len
-    max_len = eviction_max_len(first_len, MAX_TOKENS)
-
-    def servers(args: tuple[str, ...]):
-        return in_process.replay_servers(run.deployment, run.mode, args)
-
+    first_len = conversation.reference_conversation(units, seed).first_len
+    max_len = eviction_max_len(first_len, client.MAX_TOKENS)
+    servers = functools.partial(in_process.replay_servers, run.deployment, run.mode)
     sizing, played = servers(("--max-model-len", str(max_len)))
     per_block = sizing.block_bytes
     used = blocks_in_use(played[0], [token_ids[0]] * (max_len - 1), "size")
@@ -198,10 +177,10 @@ def play_eviction(
     its blocks, then the second turn and its recompute, each group's own hit
     looked up just before it. No cache is reset: eviction is the workload."""
     rng, salt = random.Random(seed), f"eviction-{seed}"
-    first_len = reference_conversation(units, seed).first_len
-    prompt = random_tokens(rng, token_ids, first_len)
+    first_len = conversation.reference_conversation(units, seed).first_len
+    prompt = conversation.random_tokens(rng, token_ids, first_len)
     output, _, _ = replay_send(servers, prompt, salt)
-    grown = grown_prompt(rng, token_ids, prompt, output.token_ids)
+    grown = conversation.grown_prompt(rng, token_ids, prompt, output.token_ids)
     for server in servers:
         server.drain()
     held_before = per_group_hits(servers[0], grown, salt)
@@ -211,7 +190,7 @@ def play_eviction(
     pressure = 0
     while pressure < EVICTION_PRESSURE_REQUESTS:
         for rank in range(dp):
-            other = random_tokens(rng, token_ids, filler)
+            other = conversation.random_tokens(rng, token_ids, filler)
             replay_send(servers, other, f"pressure-{seed}-{pressure}-{rank}")
         pressure += 1
         for server in servers:
@@ -220,26 +199,18 @@ def play_eviction(
             break
     # The conversation's next request is the first engine's again.
     for rank in range(1, dp):
-        replay_send(servers, random_tokens(rng, token_ids, filler), f"pad-{rank}")
+        other = conversation.random_tokens(rng, token_ids, filler)
+        replay_send(servers, other, f"pad-{rank}")
     held = per_group_hits(servers[0], grown, salt)
     local_before = servers[0].moved[PREFIX_HITS] or 0
     _, hit, decoder_hit = replay_send(servers, grown, salt)
     local_hit = int((servers[0].moved[PREFIX_HITS] or 0) - local_before)
-    recompute = servers[-1].complete(grown, f"recompute-{seed}")
-    assert recompute.cached_tokens is not None
+    recompute = servers[-1].complete(grown, f"recompute-{seed}").cached_tokens
+    assert recompute is not None
     for server in servers:
         server.drain()
-    return Eviction(
-        len(grown),
-        first_len,
-        held_before,
-        held,
-        hit,
-        local_hit,
-        recompute.cached_tokens,
-        pressure,
-        decoder_hit,
-    )
+    found = (held_before, held, hit, local_hit, recompute, pressure, decoder_hit)
+    return Eviction(len(grown), first_len, *found)
 
 
 def sized_eviction(
@@ -272,7 +243,7 @@ def blocks_in_use(server: ReplayServer, prompt: Sequence[int], salt: str) -> int
     to its last token."""
     pool = server.scheduler.kv_cache_manager.block_pool
     free = least = pool.get_num_free_blocks()
-    completion = server.submit(prompt, salt, MAX_TOKENS)
+    completion = server.submit(prompt, salt, client.MAX_TOKENS)
     while not completion.finished:
         assert server.step(), "the sizing request stalled"
         least = min(least, pool.get_num_free_blocks())
@@ -280,7 +251,7 @@ def blocks_in_use(server: ReplayServer, prompt: Sequence[int], salt: str) -> int
     return free - least
 
 
-WORKLOAD = Workload(
+WORKLOAD = harness.Workload(
     "eviction",
     "under eviction, the hit never exceeds what every group still "
     "holds, and the counters agree",

@@ -9,35 +9,10 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from tests.models.hybrid_prefix_cache.harness.client import (
-    MAX_TOKENS,
-    complete,
-    read_metrics,
-)
+from tests.models.hybrid_prefix_cache import harness
+from tests.models.hybrid_prefix_cache.harness import Units, client, conversation, rules
 from tests.models.hybrid_prefix_cache.harness.compare import Turn
-from tests.models.hybrid_prefix_cache.harness.conversation import (
-    finish_turns,
-    fresh_salt,
-    planned_turn,
-    play_turn,
-    random_tokens,
-)
-from tests.models.hybrid_prefix_cache.harness.deployment import (
-    Deployment,
-    Units,
-    with_serve_args,
-)
-from tests.models.hybrid_prefix_cache.harness.records import CaseRecord
-from tests.models.hybrid_prefix_cache.harness.rules import (
-    FIRST_PROMPT_TAIL,
-    PlannedTurn,
-)
-from tests.models.hybrid_prefix_cache.harness.workload import Workload, WorkloadRun
-from tests.models.hybrid_prefix_cache.scheduler.preempt import (
-    Preemption,
-    play_preemption,
-    sized_preemption,
-)
+from tests.models.hybrid_prefix_cache.scheduler import preempt
 
 # The prompts end this many decode steps short of an attention block, so that
 # each request needs a block more after as many steps.
@@ -97,20 +72,18 @@ class Shape:
 
     @property
     def max_len(self) -> int:
-        return self.prompt_len + self.max_tokens + FIRST_PROMPT_TAIL + MAX_TOKENS
+        return sum(self.lengths) + rules.FIRST_PROMPT_TAIL + client.MAX_TOKENS
 
     def args(self, kv_cache_bytes: int | None = None) -> tuple[str, ...]:
-        pool = (
-            ("--kv-cache-memory-bytes", str(kv_cache_bytes)) if kv_cache_bytes else ()
-        )
         budget, length = str(self.budget), str(self.max_len)
-        return (
-            *("--max-num-batched-tokens", budget, "--max-model-len", length),
-            *("--scheduling-policy", "priority", *pool),
-        )
+        args = ("--max-num-batched-tokens", budget, "--max-model-len", length)
+        args += ("--scheduling-policy", "priority")
+        if kv_cache_bytes:
+            args += ("--kv-cache-memory-bytes", str(kv_cache_bytes))
+        return args
 
 
-def shape_of(units: Units, deployment: Deployment, config=None) -> Shape:
+def shape_of(units: Units, deployment: harness.Deployment, config=None) -> Shape:
     """For the first instance, whose engine's ``config`` gives its drafter's tokens."""
     dcp, offload = max(deployment.instances[0].dcp, 1), deployment.offload
     if config is None:
@@ -119,13 +92,11 @@ def shape_of(units: Units, deployment: Deployment, config=None) -> Shape:
     return Shape(units, dcp, spec, lookahead, offload)
 
 
-def tested(result: Preemption, shape: Shape) -> bool:
-    """A resume in more than one chunk (or restoring every stored block) that leaves
-    nothing untested."""
+def tested(result: preempt.Preemption, shape: Shape) -> bool:
     return (len(result.chunks) > 1 or shape.restores) and not untested(result, shape)
 
 
-def untested(result: Preemption | None, shape: Shape) -> str:
+def untested(result: preempt.Preemption | None, shape: Shape) -> str:
     """Why the sizing's result leaves nothing to test, or ""."""
     if result is None:
         return "no pool tried preempted a decoding request: nothing tested"
@@ -142,26 +113,25 @@ def untested(result: Preemption | None, shape: Shape) -> str:
     return ""
 
 
-def plan(run: WorkloadRun) -> tuple[Shape, tuple[str, ...], Preemption]:
+def plan(run: harness.WorkloadRun) -> tuple[Shape, tuple[str, ...], preempt.Preemption]:
     """The servers' shape and arguments, from the case replayed first on the engines
-    they build in-process, sizing the pool (:func:`sized_preemption`)."""
-    in_process, deployment, mode = run.needs_in_process(), run.deployment, run.mode
-    units = in_process.units(mode)
-    args = shape_of(units, deployment).args()
-    sizing, _ = in_process.replay_servers(deployment, mode, args)
+    they build in-process, sizing the pool (:func:`preempt.sized_preemption`)."""
+    in_process, deployment = run.needs_in_process(), run.deployment
+    replay = functools.partial(in_process.replay_servers, deployment, run.mode)
+    units = in_process.units(run.mode)
+    sizing, _ = replay(shape_of(units, deployment).args())
     per_block = sizing.block_bytes
     shape = shape_of(units, deployment, sizing.vllm_config)
 
     def build(blocks: int | None):
-        pool = shape.args(None if blocks is None else blocks * per_block)
-        return in_process.replay_servers(deployment, mode, pool)[1]
+        return replay(shape.args(None if blocks is None else blocks * per_block))[1]
 
     def replayed(servers, requests: int):
-        tokens = run.binding.token_ids
-        return play_preemption(servers, *shape.lengths, requests, run.case_id, tokens)
+        played = (*shape.lengths, requests, run.case_id, run.binding.token_ids)
+        return preempt.play_preemption(servers, *played)
 
     wanted = functools.partial(tested, shape=shape)
-    blocks, _, result = sized_preemption(build, replayed, wanted)
+    blocks, _, result = preempt.sized_preemption(build, replayed, wanted)
     # Only what leaves nothing to test stops the case: the real servers show
     # what a misplaced chunk does to the state.
     missing = untested(result, shape)
@@ -169,14 +139,14 @@ def plan(run: WorkloadRun) -> tuple[Shape, tuple[str, ...], Preemption]:
     return shape, shape.args(blocks * per_block), result
 
 
-def play(run: WorkloadRun) -> CaseRecord:
+def play(run: harness.WorkloadRun) -> harness.CaseRecord:
     """The replay's requests at once on servers whose pool it sized, then the
     follow-ups of the one it resumed and of another, played as turns."""
     __tracebackhide__ = True
     binding = run.binding
     with run.session() as case:
         shape, args, replayed = plan(run)
-        served = with_serve_args(run.deployment, args)
+        served = harness.with_serve_args(run.deployment, args)
         # Where the replay cut the resumed prefill: the real servers' own
         # chunks are not observable, only what they did to the state.
         cuts = list(replayed.output_cuts(shape.prompt_len)) or "none"
@@ -190,15 +160,16 @@ def play(run: WorkloadRun) -> CaseRecord:
         case.add(notice=f"{WORKLOAD.name}: {described}")
         with case.serve(binding, served, run.mode, run.suite.pool) as p:
             server, rng = p.servers[0], random.Random(run.case_id)
-            salts = [fresh_salt("preempted") for _ in range(replayed.requests)]
+            tokens, requests = binding.token_ids, range(replayed.requests)
+            salts = [conversation.fresh_salt("preempted") for _ in requests]
             prompts = [
-                random_tokens(rng, binding.token_ids, shape.prompt_len) for _ in salts
+                conversation.random_tokens(rng, tokens, shape.prompt_len) for _ in salts
             ]
             # Request i at priority i: which one is preempted is its own property,
             # not its arrival time (Scheduler.schedule preempts the running request
             # of the largest (priority, arrival_time)). Each decodes all its tokens.
             send = functools.partial(
-                complete, server, binding.model, max_tokens=shape.max_tokens
+                client.complete, server, binding.model, max_tokens=shape.max_tokens
             )
             before = _preemptions(server)
             with ThreadPoolExecutor(len(salts)) as pool:
@@ -222,14 +193,14 @@ def play(run: WorkloadRun) -> CaseRecord:
             # What each salt stored: the prompt and every computed output.
             stored = shape.prompt_len + shape.max_tokens - 1
             for index, hit in zip((replayed.resumed, other), replayed.hits):
-                tail = random_tokens(rng, binding.token_ids, FIRST_PROMPT_TAIL)
+                tail = conversation.random_tokens(rng, tokens, rules.FIRST_PROMPT_TAIL)
                 prompt = [*prompts[index], *samples[index].token_ids, *tail]
-                planned_ = PlannedTurn(index, len(prompt), stored)
-                turn = planned_turn(p, "follow-up", planned_)
+                planned = rules.PlannedTurn(index, len(prompt), stored)
+                turn = conversation.planned_turn(p, "follow-up", planned)
                 turn.expected = hit
                 case.add(turn)
-                play_turn(p, turn, prompt, salts[index])
-            finish_turns(p, case.turns)
+                conversation.play_turn(p, turn, prompt, salts[index])
+            conversation.finish_turns(p, case.turns)
             if not case.ok:
                 case.add(problem=WORKLOAD.failure(described))
     assert case.record is not None
@@ -237,10 +208,10 @@ def play(run: WorkloadRun) -> CaseRecord:
 
 
 def _preemptions(server) -> float:
-    return sum(sample.value for sample in read_metrics(server).get(PREEMPTIONS, ()))
+    return sum(s.value for s in client.read_metrics(server).get(PREEMPTIONS, ()))
 
 
-WORKLOAD = Workload(
+WORKLOAD = harness.Workload(
     "preemption",
     "a request resumed after preemption files its states at block "
     "boundaries: a request that shares its prompt and output hits the "
