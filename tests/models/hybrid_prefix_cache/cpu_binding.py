@@ -5,7 +5,7 @@ and tolerances (known failures: cpu_known.py; numbers: findings/cpu-tier-serving
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -25,23 +25,20 @@ CPU_ONLY = pytest.mark.skipif(
 # Divides the CPU blocks (attention 128, Mamba 16); the smallest unit whose hits
 # equal their recompute exactly (findings/cpu-tier-serving.md).
 PARTIAL_UNIT = 64
-
 BASE_ARGS = (
     "--enable-prompt-tokens-details",
     *("--max-model-len", "4096"),
     # The default reserves part of the NUMA node, and fails when others use it.
     *("--kv-cache-memory-bytes", "1G"),
     *("--max-num-seqs", "8"),
-    # No torch.compile: nothing checked depends on it, and starts are shorter.
-    "-O0",
+    "-O0",  # no torch.compile: nothing checked depends on it; starts are shorter
 )
-
 # The rank in the engine process, for shorter starts; the CPU platform needs
 # VLLM_ENABLE_V1_MULTIPROCESSING=0 for it, which the API server does not read.
-IN_PROCESS = {
-    "serve_args": ("--distributed-executor-backend", "uni"),
-    "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-}
+IN_PROCESS = Instance(
+    serve_args=("--distributed-executor-backend", "uni"),
+    env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+)
 # KV buffers in host memory; a lease for a slow 2-core machine (30 s expired).
 NIXL = harness.kv_connector(
     "NixlConnector", {"kv_lease_duration": 600}, kv_buffer_device="cpu"
@@ -60,35 +57,24 @@ TP2_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 OFFLOAD = harness.cpu_offload(1 << 30)
 NIXL_OFFLOAD = harness.multi_connector(NIXL, OFFLOAD)
 # A drafter that needs no weights.
-NGRAM = {
-    "method": "ngram",
-    "num_speculative_tokens": 3,
-    "prompt_lookup_min": 2,
-    "prompt_lookup_max": 3,
-}
-
-MODES = harness.matrix_modes(PARTIAL_UNIT, "ngram", NGRAM)
-
-# Either pd instance: its rank in the engine process, NIXL with the progress delay.
-PD_IN_PROCESS = Instance(
-    kv_config=NIXL,
-    env={**NIXL_PROGRESS, **IN_PROCESS["env"]},
-    serve_args=IN_PROCESS["serve_args"],
+NGRAM = dict(
+    method="ngram", num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=3
 )
+MODES = harness.matrix_modes(PARTIAL_UNIT, "ngram", NGRAM)
+# Either pd instance: its rank in the engine process, NIXL with the progress delay.
+PD_SIDE = replace(IN_PROCESS, kv_config=NIXL, env={**NIXL_PROGRESS, **IN_PROCESS.env})
 
 DEPLOYMENTS = {
-    "plain": Deployment(decode=Instance(**IN_PROCESS)),
+    "plain": Deployment(decode=IN_PROCESS),
     "tp2": Deployment(decode=Instance(tp=2, env=TP2_CORES)),
     # In-process ranks, unbound, taking turns (findings/cpu-tier-serving.md).
-    "pd": Deployment(prefill=PD_IN_PROCESS, decode=PD_IN_PROCESS),
+    "pd": Deployment(prefill=PD_SIDE, decode=PD_SIDE),
     "pd-tp2": Deployment(
         prefill=Instance(tp=2, kv_config=NIXL, env=NIXL_PROGRESS),
         decode=Instance(kv_config=NIXL, prefix_caching=False, env=NIXL_PROGRESS),
     ),
     # In-process too: its known refusal (cpu_known.py) is confirmed by a start.
-    "offload": Deployment(
-        decode=Instance(kv_config=OFFLOAD, **IN_PROCESS), offload=True
-    ),
+    "offload": Deployment(decode=replace(IN_PROCESS, kv_config=OFFLOAD), offload=True),
     "dcp2": Deployment(decode=Instance(tp=2, dcp=2, env=TP2_CORES)),
     "dcp2-offload": Deployment(
         decode=Instance(tp=2, dcp=2, kv_config=OFFLOAD, env=TP2_CORES), offload=True
@@ -102,14 +88,12 @@ DEPLOYMENTS = {
 }
 
 CORES = len(os.sched_getaffinity(0))
-# One OpenMP thread computes a request alike in any batch where vLLM's CPU
-# kernels are its AVX ones. With AMX tiles vLLM takes AMX kernels
-# (v1/attention/backends/cpu_attn.py _get_attn_isa,
-# model_executor/layers/utils.py check_cpu_sgl_kernel), and one thread left a
-# batched hit 3e-4 from its recompute alone on a Sapphire Rapids: there,
-# batched hits keep their twins' measured noise (findings/batch-noise-cpu.md).
-# Every CPU also plays batched restores at its default threads, held on their
-# prefill steps to the same prompts alone (harness/restores.py).
+# One OpenMP thread computes a request alike in any batch on vLLM's AVX CPU kernels;
+# with AMX tiles vLLM takes AMX ones (v1/attention/backends/cpu_attn.py _get_attn_isa,
+# model_executor/layers/utils.py check_cpu_sgl_kernel), where one thread left a batched
+# hit 3e-4 from its recompute alone (Sapphire Rapids), so batched hits keep their twins'
+# noise (findings/batch-noise-cpu.md). Every CPU also plays batched restores at default
+# threads, prefill steps held to the same prompts alone (harness/restores.py).
 BATCH_INVARIANT_ENV = (
     None if torch.cpu._is_amx_tile_supported() else {"OMP_NUM_THREADS": "1"}
 )
@@ -129,22 +113,18 @@ def cpu_binding(model: TinyHybrid) -> Binding:
         exact_across_instances=True,
         batch_invariant_env=BATCH_INVARIANT_ENV,
         visible_devices_env=None,
-        # Faster than one by one (findings/cpu-tier-serving.md).
-        concurrent_start=True,
+        concurrent_start=True,  # faster than one by one (findings/cpu-tier-serving.md)
     )
 
 
 def resolved_geometry(binding: Binding, mode: Mode) -> scheduler.Geometry:
     """The plain deployment's blocks and hit unit in ``mode``, as the scheduler tier's
     ``cpu_engine`` resolves them from exactly the server's arguments."""
-    instance = DEPLOYMENTS["plain"].decode
-    args = harness.server_args(binding, instance, mode)
-    env = {**binding.env, **instance.env}
-    return scheduler.cpu_engine(binding.model, args, env).geometry
+    (spec,) = harness.server_specs(binding, DEPLOYMENTS["plain"], mode)
+    return scheduler.cpu_engine(spec.model, spec.args, dict(spec.env)).geometry
 
 
 def check_geometry(binding: Binding, mode: Mode, record: harness.CaseRecord) -> None:
-    """The geometry resolved in-process must be what the real server reported."""
     resolved = CpuInProcess(binding).units(mode)
     assert record.units == resolved, (
         f"the server reports {record.units} in vllm:cache_config_info, vLLM "

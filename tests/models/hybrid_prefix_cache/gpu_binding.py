@@ -15,7 +15,6 @@ import pytest
 from tests.models.hybrid_prefix_cache import harness, seeded_load
 from tests.models.hybrid_prefix_cache.harness import Deployment, Instance, Known
 from tests.models.hybrid_prefix_cache.harness.problems import finding
-from tests.models.hybrid_prefix_cache.harness.rules import partial_unit
 from tests.models.hybrid_prefix_cache.tiny_hybrid import TinyHybrid
 from tests.models.hybrid_prefix_cache.workloads import aligned, pd_resend
 from vllm.platforms import current_platform
@@ -26,56 +25,46 @@ GPU_ONLY = pytest.mark.skipif(
     f"{current_platform.device_name!r}",
 )
 
-# Up to 16 servers share the GPU (dev/gpu/run_tier.sh); KV cache is sized
-# explicitly, since v1/worker/gpu_worker.py determine_available_memory counts
-# what neighbours starting meanwhile take, and can find none left.
-GPU_MEMORY_FRACTION = 0.06
 BASE_ARGS = (
     "--enable-prompt-tokens-details",
     *("--max-model-len", "4096"),
     *("--max-num-seqs", "8"),
-    *("--gpu-memory-utilization", str(GPU_MEMORY_FRACTION)),
+    # Up to 16 servers share the GPU (dev/gpu/run_tier.sh): explicit KV cache size, as
+    # v1/worker/gpu_worker.py determine_available_memory counts what neighbours take.
+    *("--gpu-memory-utilization", "0.06"),
     *("--kv-cache-memory-bytes", "2G"),
-    # the checks do not depend on graphs or compile; starts are shorter
-    "--enforce-eager",
+    "--enforce-eager",  # the checks need no graphs or compile; starts are shorter
 )
-# vLLM's "auto" GDN prefill on SM90 takes FlashInfer's kernel (0.34) or one
-# needing the CuTe DSL (0.26) (gdn/qwen_gdn_linear_attn.py
-# _resolve_gdn_prefill_backend); without either package, Triton.
+# vLLM's "auto" GDN prefill on SM90 is FlashInfer's (0.34) or needs the CuTe DSL (0.26)
+# (gdn/qwen_gdn_linear_attn.py _resolve_gdn_prefill_backend); without either, Triton.
 TRITON_GDN = ("--additional-config", json.dumps({"gdn_prefill_backend": "triton"}))
-GDN_PREFILL_PACKAGES = ("flashinfer", "cutlass")
 # 0.34's sampler imports FlashInfer unless told not to; it assumes the package
 # (v1/sample/ops/topk_topp_sampler.py flashinfer_sampler_supported).
 NO_FLASHINFER_SAMPLER = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
-# Partial mode's exact construction (findings/restored-state-sensitivity.md): the
-# GDN kernel carries its state in float32 from one chunk to the next, so a hit
-# on that chunk grid, restored from a float32 cache, resumes where a fresh
-# prefill passes. vLLM raises --block-size to a multiple of itself that holds
-# the state (platforms/interface.py Platform._align_hybrid_block_size).
+# Partial mode's exact construction (findings/restored-state-sensitivity.md): the GDN
+# kernel carries its state in float32 across chunks, so a hit on the chunk grid,
+# restored from a float32 cache, resumes where a fresh prefill passes. vLLM raises
+# --block-size to a multiple of itself holding the state (platforms/interface.py
+# Platform._align_hybrid_block_size).
 FLOAT32_SSM = ("--mamba-ssm-cache-dtype", "float32")
-# unset: the written weights; dummy (a wrong state goes unseen) or
-# hybrid_seeded (seeded_load/, drawn in the server)
+# unset: the written weights; dummy (hides a wrong state); hybrid_seeded (seeded_load/)
 LOAD_FORMAT_ENV = "HYBRID_PC_GPU_LOAD_FORMAT"
 
 MTP = {"method": "mtp", "num_speculative_tokens": 2}
-# stands for the partial unit until the servers resolve one (served_mode)
-GEOMETRY_UNIT = 0
+GEOMETRY_UNIT = 0  # the partial unit until the servers resolve one (served_mode)
 MODES = harness.matrix_modes(GEOMETRY_UNIT, "mtp", MTP)
 
 NIXL = harness.kv_connector("NixlConnector")
 OFFLOAD = harness.cpu_offload(1 << 30)
 NIXL_OFFLOAD = harness.multi_connector(NIXL, OFFLOAD)
+PD_OFFLOAD = Instance(kv_config=NIXL_OFFLOAD)  # either side of pd-offload
 
 DEPLOYMENTS = {
     "plain": Deployment(),
     "offload": Deployment(decode=Instance(kv_config=OFFLOAD), offload=True),
     # Both instances share the one GPU (Binding.visible_devices_env None).
     "pd": Deployment(prefill=Instance(kv_config=NIXL), decode=Instance(kv_config=NIXL)),
-    "pd-offload": Deployment(
-        prefill=Instance(kv_config=NIXL_OFFLOAD),
-        decode=Instance(kv_config=NIXL_OFFLOAD),
-        offload=True,
-    ),
+    "pd-offload": Deployment(prefill=PD_OFFLOAD, decode=PD_OFFLOAD, offload=True),
 }
 
 # Seen on an H200 with vLLM 0.26.0 (findings/gpu-tier-h200-0.26.md).
@@ -200,7 +189,7 @@ def gpu_binding(model: TinyHybrid, exact: bool = True) -> harness.Binding:
     """Exact on a hit's own path where ``exact`` (budget from :func:`served`),
     else check_logprobs_close alone."""
     args = list(BASE_ARGS)
-    missing = {p for p in GDN_PREFILL_PACKAGES if importlib.util.find_spec(p) is None}
+    missing = {p for p in ("flashinfer", "cutlass") if not importlib.util.find_spec(p)}
     if missing:
         args += TRITON_GDN
     env = {"HF_HUB_OFFLINE": "1"}
@@ -221,9 +210,9 @@ def gpu_binding(model: TinyHybrid, exact: bool = True) -> harness.Binding:
         visible_devices_env=None,
         concurrent_start=True,
         exact_on_blocks=exact,
-        # one config in two processes on one GPU: the P/D relay was exact at
-        # every turn on an H200 with 0.26.0 and on an H100 with 0.34.0, one
-        # run each, and a 1% plant on it failed (findings/gpu-tier-0.34.md)
+        # one config in two processes on one GPU: the P/D relay was exact at every
+        # turn (H200 0.26.0, H100 0.34.0, a run each), a 1% plant on it failed
+        # (findings/gpu-tier-0.34.md)
         exact_across_instances=exact,
     )
 
@@ -232,7 +221,7 @@ def served_mode(mode: harness.Mode, units: harness.Units) -> harness.Mode:
     """``mode`` with the resolved geometry's partial unit."""
     if mode.prefix_match_unit != GEOMETRY_UNIT:
         return mode
-    return replace(mode, prefix_match_unit=partial_unit(units.block))
+    return replace(mode, prefix_match_unit=harness.rules.partial_unit(units.block))
 
 
 def gdn_chunk() -> int:
@@ -245,9 +234,8 @@ def gdn_chunk() -> int:
 def served(
     case_id: str, units: harness.Units, binding: harness.Binding
 ) -> tuple[harness.Binding, Deployment, harness.Mode]:
-    """``case_id`` as served: block mode in the model's dtype under
-    rules.exact_budget at ``units``; partial mode on the GDN chunk's grid, its
-    SSM cache in float32, at vLLM's default budget."""
+    """``case_id`` as served: block mode in the model's dtype under rules.exact_budget
+    at ``units``; partial on the GDN chunk's grid, float32 SSM cache, default budget."""
     deployment, mode = MATRIX.served(case_id)
     if mode.prefix_match_unit is None:
         budget = ("--max-num-batched-tokens", str(harness.exact_budget(units.block)))

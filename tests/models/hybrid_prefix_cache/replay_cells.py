@@ -1,28 +1,27 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The CPU tier's cells as the scheduler tier replays them (:data:`CPU`), at the
-geometry vLLM resolves here, engines built from exactly its servers' arguments. Another
-binding declares its own (Kimi-K3's: ``kimi_k3/prefix_cache_replay.py``)."""
+"""The CPU tier's cells as the scheduler tier replays them (:data:`CPU`), engines built
+from exactly its servers' arguments (Kimi-K3's own: kimi_k3/prefix_cache_replay.py)."""
 
 from collections.abc import Sequence
 
 import pytest
 
 from tests.models.hybrid_prefix_cache import cpu_known, harness, scheduler
+from tests.models.hybrid_prefix_cache.harness import Binding, Deployment, Mode
 from tests.models.hybrid_prefix_cache.scheduler.cell import Build, ReplayTier, Setting
 from tests.models.hybrid_prefix_cache.tiny_hybrid import TinyHybrid
 
 
 def cpu_engines(
-    binding: harness.Binding,
-    deployment: harness.Deployment,
-    mode: harness.Mode,
+    binding: Binding,
+    deployment: Deployment,
+    mode: Mode,
     extra: Sequence[str] = (),
     memory: Sequence[int] | None = None,
 ) -> list[scheduler.Engine]:
-    """Each CPU server's engine from exactly its arguments and environment, then
-    ``extra`` arguments and, per server, ``memory`` bytes of KV cache; a configuration
-    vLLM refuses as the server does skips with the CPU tier's reason."""
+    """Each CPU server's engine from exactly its arguments and environment, ``extra``
+    ones and per server ``memory`` KV bytes; skips on a refusal cpu_known lists."""
     engines = []
     for index, spec in enumerate(harness.server_specs(binding, deployment, mode)):
         args = [*spec.args, *extra]
@@ -31,26 +30,18 @@ def cpu_engines(
         try:
             engines.append(scheduler.cpu_engine(spec.model, args, dict(spec.env)))
         except Exception as e:
-            unsupported = [
-                known
-                for entries in cpu_known.KNOWN.values()
-                for known in entries
-                if known.kind == "unsupported" and known.shown(str(e))
-            ]
-            if not unsupported:
+            shown = [k for k in cpu_known.UNSUPPORTED.values() if k.shown(str(e))]
+            if not shown:
                 raise
             pytest.skip(
                 "vLLM refuses this configuration in-process as its server does "
-                f"({unsupported[0].reason}; confirmed: {unsupported[0].evidence!r})"
+                f"({shown[0].reason}; confirmed: {shown[0].evidence!r})"
             )
     return engines
 
 
 def _cpu_build(
-    model: TinyHybrid,
-    binding: harness.Binding | None,
-    deployment: harness.Deployment,
-    mode: harness.Mode,
+    model: TinyHybrid, binding: Binding | None, deployment: Deployment, mode: Mode
 ) -> Build:
     assert binding is not None, "the CPU tier's cells are its binding's servers"
 

@@ -1,8 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Turns replayed from measured records and checked by the oracle
-(harness.compare.check_turn), and cases whose engine crashed as a failure's report
-says, for the tests of the oracle's comparisons and known failures. No server."""
+"""Turns replayed from measured records, checked by the oracle (compare.check_turn), and
+crashes as reports show them, for the oracle's and known failures' tests. No server."""
 
 from pathlib import Path
 from types import SimpleNamespace
@@ -39,86 +38,61 @@ def sample(
 
 
 def turn(
-    index: int,
-    prev_len: int,
-    prompt_len: int,
-    unit: int,
-    hit: Sample,
-    recompute: Sample,
-    **fields,
+    index: int, prev: int, length: int, unit: int, hit: Sample, rec: Sample, **fields
 ) -> Turn:
-    backoff = fields.pop("backoff", 0)
-    seen_prev = max(prev_len - backoff, 0)
+    """A ``length``-token turn after a ``prev``-token prompt; ``fields``: the Turn's,
+    and ``drops_unit`` (the drafter's rule); ``expected`` by the rules unless given."""
+    backoff = fields.get("backoff", 0)
+    seen_prev = max(prev - backoff, 0)
+    expected = rules.expected_cached(seen_prev, unit, fields.pop("drops_unit", False))
     return Turn(
         fields.pop("conversation", ""),
         index,
-        prompt_len,
-        prev_len,
-        rules.expected_cached(seen_prev, unit, fields.pop("drops_unit", False)),
-        bound=rules.hit_bound(seen_prev, prompt_len - backoff, unit),
-        resend=fields.pop("resend", False),
-        backoff=backoff,
+        length,
+        prev,
+        fields.pop("expected", expected),
+        bound=rules.hit_bound(seen_prev, length - backoff, unit),
         output=hit,
-        recompute=recompute,
+        recompute=rec,
         **fields,
     )
 
 
 def _checked(units: Units, hit: Sample, index: int, prev_len: int, **fields) -> Turn:
     """A turn that played ``hit`` against a recompute at BASE, checked by the oracle."""
-    length = hit.prompt_tokens
-    played = turn(
-        index, prev_len, length, units.hit, hit, sample(prompt_len=length), **fields
-    )
+    rec = sample(prompt_len=hit.prompt_tokens)
+    played = turn(index, prev_len, hit.prompt_tokens, units.hit, hit, rec, **fields)
     played.take(check_turn(played, units, 0.0))
     return played
 
 
 def lost_checkpoint_turn(
-    shape: str,
-    index: int,
-    prev_len: int,
-    unit: int,
-    hit: int = 0,
-    block: int | None = None,
-    drops_unit: bool = False,
+    shape: str, index: int, prev_len: int, units: Units, hit: int = 0, **fields
 ) -> Turn:
     """A turn of sweep ``shape`` that hit ``hit`` where the previous ``prev_len``-token
-    prompt left a deeper checkpoint, at block ``block`` (the hit unit by default)."""
+    prompt left a deeper checkpoint (``fields``: the Turn's, or ``drops_unit``)."""
     output = sample(cached=hit, prompt_len=prev_len + rules.TURN_TOKENS)
-    units = Units(block=block or unit, hit=unit)
-    return _checked(
-        units, output, index, prev_len, conversation=shape, drops_unit=drops_unit
-    )
+    return _checked(units, output, index, prev_len, conversation=shape, **fields)
 
 
-def lost_resend_turn(
-    prompt_len: int, unit: int, backoff: int = 0, hit: int = 0, drops_unit: bool = False
-) -> Turn:
-    """An exact resend that hit ``hit`` where its checkpoint is (of the prompt less
+def lost_resend_turn(prompt_len: int, unit: int, hit: int = 0, **fields) -> Turn:
+    """An exact resend that hit ``hit`` where its checkpoint is (of the prompt less a
     ``backoff``, which the P/D prefiller sees; a unit lower where ``drops_unit``)."""
     output = sample(cached=hit, prompt_len=prompt_len)
-    fields = {"resend": True, "backoff": backoff, "drops_unit": drops_unit}
-    return _checked(Units(block=unit, hit=unit), output, 1, prompt_len, **fields)
+    units = Units(block=unit, hit=unit)
+    return _checked(units, output, 1, prompt_len, resend=True, **fields)
 
 
 def restored_apart_turn(
-    shape: str,
-    index: int,
-    prev_len: int,
-    prompt_len: int,
-    unit: int,
-    gap: float,
-    block: int | None = None,
-    pd: bool = False,
+    shape: str, index: int, prev_len: int, units: Units, gap: float, pd: bool = False
 ) -> Turn:
     """A turn of sweep ``shape`` that hit its checkpoint, logprobs ``gap`` from its
     recompute, or under P/D (``pd``: the prefiller sees a token less) its cold twin."""
     backoff = 1 if pd else 0
-    cached = rules.expected_cached(max(prev_len - backoff, 0), unit, False)
-    twin = {"twin": sample(prompt_len=prompt_len)} if pd else {}
-    output = sample(gap, cached=cached, prompt_len=prompt_len)
-    units = Units(block=block or unit, hit=unit)
+    cached = rules.expected_cached(max(prev_len - backoff, 0), units.hit, False)
+    length = prev_len + rules.TURN_TOKENS
+    twin = {"twin": sample(prompt_len=length)} if pd else {}
+    output = sample(gap, cached=cached, prompt_len=length)
     return _checked(
         units, output, index, prev_len, backoff=backoff, conversation=shape, **twin
     )
@@ -137,13 +111,9 @@ def branch_apart_turn(
         lp = hit.token_logprobs[parts_at]
         hit.top_logprobs[parts_at] = {RUNNER_UP: lp, TOKENS[parts_at]: lp - gap}
     twin = {"twin": sample(prompt_len=length), "backoff": 1} if pd else {}
-    recompute = sample(prompt_len=length)
-    played = turn(
-        0, shared, length, units.hit, hit, recompute, conversation="branch", **twin
+    return _checked(
+        units, hit, 0, shared, conversation="branch", expected=cached, **twin
     )
-    played.expected = cached
-    played.take(check_turn(played, units, 0.0))
-    return played
 
 
 def crashed_case(
@@ -156,8 +126,7 @@ def crashed_case(
     log.write_text(f"INFO starting\n{text}\nERROR EngineCore died\n")
     with case_session(case_id, known=(entry,)) as case:
         case.units = units
-        # What a session reads of a play: its server's log (failure_text), and
-        # what the record's ``serve`` names.
+        # What a session reads: its server's log (failure_text), the record's ``serve``.
         case.play = SimpleNamespace(
             servers=[SimpleNamespace(log_path=log)],
             noise=None,

@@ -65,32 +65,34 @@ def _entries(arrives: str) -> list:
 # reported (cpu_known.py).
 RECORD_FAILURES = {
     ("plain-block-exact", (256, 256)): lambda: lost_checkpoint_turn(
-        "exact", 1, 768, 256
+        "exact", 1, 768, Units(block=256, hit=256)
     ),
     ("plain-block-half-plus1", (256, 256)): lambda: lost_checkpoint_turn(
-        "half-plus1", 1, 897, 256
+        "half-plus1", 1, 897, Units(block=256, hit=256)
     ),
     ("plain-block-unit-minus1", (256, 256)): lambda: lost_checkpoint_turn(
-        "unit-minus1", 1, 1023, 256
+        "unit-minus1", 1, 1023, Units(block=256, hit=256)
     ),
     # Turn 2 of 2065 tokens hits 1280 at block 128, 3.9e-3 from its
     # recompute with the same tokens.
     ("plain-block-unit-minus1", (128, 128)): lambda: restored_apart_turn(
-        "unit-minus1", 2, 1288, 2065, 128, 3.9e-3
+        "unit-minus1", 2, 1288, Units(block=128, hit=128), 3.9e-3
     ),
 }
 # The GPU tier's offload cells in partial mode on an H200 (block 80, unit 16):
 # turn 1 resumed at the block end 240 where the previous 277-token prompt's
 # checkpoint is 272.
 RECORD_FAILURES |= {
-    (case, (80, 16)): lambda: lost_checkpoint_turn("", 1, 277, 16, 240, block=80)
+    (case, (80, 16)): lambda: lost_checkpoint_turn(
+        "", 1, 277, Units(block=80, hit=16), 240
+    )
     for case in ("offload-partial", "pd-offload-partial")
 }
 RECORD_FAILURES |= {
     # With MTP, whose drop puts the checkpoint a unit lower (256), on the host
     # and, where vLLM 0.26 saved no state there, on the device alike.
     (case, (80, 16)): lambda: lost_checkpoint_turn(
-        "", 1, 277, 16, 240, block=80, drops_unit=True
+        "", 1, 277, Units(block=80, hit=16), 240, drops_unit=True
     )
     for case in ("offload-partial-mtp", "plain-partial-mtp")
 }
@@ -102,37 +104,37 @@ RECORD_FAILURES |= {
     ),
     # Turn 1 of the aligned shape restored 160 and sat 0.0422 from its twin.
     ("pd-block-aligned", (80, 80)): lambda: restored_apart_turn(
-        "exact", 1, 240, 1017, 80, 0.0422, block=80, pd=True
+        "exact", 1, 240, Units(block=80, hit=80), 0.0422, pd=True
     ),
     # vLLM 0.34.0 on an H100: turn 1 restored 256 (block) or 512 (partial,
     # block 192) and sat 0.0484, 0.046 and 0.0421 from its cold twin.
     ("pd-partial-aligned", (192, 64)): lambda: restored_apart_turn(
-        "exact", 1, 576, 1353, 64, 0.0484, block=192, pd=True
+        "exact", 1, 576, Units(block=192, hit=64), 0.0484, pd=True
     ),
     ("pd-block-mtp-aligned", (128, 128)): lambda: restored_apart_turn(
-        "exact", 1, 384, 1161, 128, 0.046, block=128, pd=True
+        "exact", 1, 384, Units(block=128, hit=128), 0.046, pd=True
     ),
     ("pd-partial-mtp-aligned", (192, 64)): lambda: restored_apart_turn(
-        "exact", 1, 576, 1353, 64, 0.0421, block=192, pd=True
+        "exact", 1, 576, Units(block=192, hit=64), 0.0421, pd=True
     ),
 }
 RECORD_FAILURES |= {
     ("pd-block-aligned", (256, 256)): lambda: lost_checkpoint_turn(
-        "exact", 1, 768, 256
+        "exact", 1, 768, Units(block=256, hit=256)
     ),
     # The 769-token resend, of which the prefiller sees 768 tokens.
-    ("pd-block-pd-resend", (256, 256)): lambda: lost_resend_turn(769, 256, 1),
+    ("pd-block-pd-resend", (256, 256)): lambda: lost_resend_turn(769, 256, backoff=1),
     # Turn 1 restored 704 tokens and sat 0.00285 from its cold twin.
     ("pd-partial-aligned", (256, 64)): lambda: restored_apart_turn(
-        "exact", 1, 768, 1545, 64, 0.00285, block=256, pd=True
+        "exact", 1, 768, Units(block=256, hit=64), 0.00285, pd=True
     ),
     # At block 128 (AVX2 only), turn 1 restored 256 and 320 tokens and sat
     # 0.0639 and 0.00409 from its cold twin.
     ("pd-block-aligned", (128, 128)): lambda: restored_apart_turn(
-        "exact", 1, 384, 1161, 128, 0.0639, block=128, pd=True
+        "exact", 1, 384, Units(block=128, hit=128), 0.0639, pd=True
     ),
     ("pd-partial-aligned", (128, 64)): lambda: restored_apart_turn(
-        "exact", 1, 384, 1161, 64, 0.00409, block=128, pd=True
+        "exact", 1, 384, Units(block=128, hit=64), 0.00409, pd=True
     ),
     # The small-budget cases' branch, 0.205 and 0.173 from its recompute.
     ("plain-block-small-budget", (256, 256)): lambda: branch_apart_turn(

@@ -9,19 +9,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-ARCHITECTURE = "Qwen3NextForCausalLM"
 SEED = 1234
-
 # Departures from the initializer (Qwen3NextPreTrainedModel._init_weights) that
 # make the state loud: memories of 10-1000 tokens and a trained-like next-token
 # entropy (findings/tiny-hybrid-state.md).
 DECAY_RATE_RANGE = (0.001, 0.1)
 LM_HEAD_GAIN = 10.0
-# Every expert routed: with fewer, a router near tie flips a token's experts on
-# one numerical path only, a spike the cold controls rarely sample
-# (findings/tiny-hybrid-state.md).
+# Every expert routed: with fewer, a near tie flips a token's experts on one numerical
+# path only, a spike the cold controls rarely sample (findings/tiny-hybrid-state.md).
 EXPERTS = 4
-
 # ids from FIRST_WORD_ID on are ordinary words, safe for random prompts
 SPECIAL_TOKENS = ("<unk>", "<|endoftext|>")
 FIRST_WORD_ID = len(SPECIAL_TOKENS)
@@ -29,7 +25,6 @@ VOCAB_SIZE = 2048
 # by which a reproducer knows the model (reproducer.TINY_MODEL_MARKER)
 MARKER = "hybrid-prefix-cache-tiny-model.txt"
 MODULE = "tests.models.hybrid_prefix_cache.tiny_hybrid"
-
 # config changes by variant ("": the CPU tier's first model)
 VARIANTS: dict[str, dict] = {
     "": {},
@@ -50,7 +45,7 @@ class TinyHybrid:
 
 def _config(variant: str = "") -> dict:
     return {
-        "architectures": [ARCHITECTURE],
+        "architectures": ["Qwen3NextForCausalLM"],
         "model_type": "qwen3_next",
         "vocab_size": VOCAB_SIZE,
         "hidden_size": 256,
@@ -72,11 +67,9 @@ def _config(variant: str = "") -> dict:
         "decoder_sparse_step": 1,
         "norm_topk_prob": True,
         "max_position_embeddings": 16384,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "partial_rotary_factor": 0.25,
-        },
+        "rope_parameters": dict(
+            rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25
+        ),
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": False,
         "bos_token_id": FIRST_WORD_ID - 1,
@@ -112,8 +105,7 @@ def _add_mtp_layer(path: Path, hidden: int) -> None:
     weights = load_file(weights_file)
     for name, tensor in list(weights.items()):
         if name.startswith(MTP_SOURCE_LAYER):
-            copy = tensor.clone()
-            weights["mtp.layers.0." + name.removeprefix(MTP_SOURCE_LAYER)] = copy
+            weights[name.replace(MTP_SOURCE_LAYER, "mtp.layers.0.", 1)] = tensor.clone()
     generator = torch.Generator().manual_seed(SEED)
     fc = torch.randn(hidden, 2 * hidden, generator=generator) * 0.02
     weights["mtp.fc.weight"] = fc.to(torch.bfloat16)
@@ -128,7 +120,6 @@ def write_command(variant: str = "") -> str:
 
 
 def write_tiny_hybrid(path: Path, variant: str = "") -> TinyHybrid:
-    """Write config, tokenizer and seeded weights of ``variant``."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 

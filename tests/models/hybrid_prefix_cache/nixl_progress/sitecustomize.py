@@ -10,7 +10,6 @@ import os
 import sys
 
 DELAY_ENV = "HYBRID_PC_NIXL_PROGRESS_DELAY_US"
-AGENT_MODULES = ("nixl_cu12._api", "nixl_cu13._api", "nixl_rocm._api")
 
 
 class _Bindings:
@@ -25,12 +24,9 @@ class _Bindings:
 
     def nixlAgent(self, name, config):  # noqa: N802 - NIXL's name
         config.pthrDelay = self._delay_us  # delayed, it still wakes on a UCX event
-        print(
-            f"nixl_progress: agent {name}: progress thread poll delay "
-            f"{self._delay_us} us ({DELAY_ENV})",
-            file=sys.stderr,
-            flush=True,
-        )
+        delay = f"{self._delay_us} us ({DELAY_ENV})"
+        text = f"nixl_progress: agent {name}: progress thread poll delay {delay}"
+        print(text, file=sys.stderr, flush=True)
         return self._bindings.nixlAgent(name, config)
 
 
@@ -41,7 +37,7 @@ class _AgentModuleFinder(importlib.abc.MetaPathFinder):
         self.delay_us = delay_us
 
     def find_spec(self, name, path, target=None):
-        if name not in AGENT_MODULES:
+        if name not in ("nixl_cu12._api", "nixl_cu13._api", "nixl_rocm._api"):
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:

@@ -41,14 +41,12 @@ def seeded_values(
     would not fit twice in host memory); None where not floating point."""
     if not param.is_floating_point():
         return None
-    device = param.device
     salt = zlib.crc32(name.encode())
-    generator = torch.Generator(device=device).manual_seed(seed ^ salt)
+    generator = torch.Generator(device=param.device).manual_seed(seed ^ salt)
     leaf = name.rsplit(".", 1)[-1]
-    empty = torch.empty(tuple(param.shape), dtype=torch.float32, device=device)
+    empty = torch.empty(tuple(param.shape), dtype=torch.float32, device=param.device)
     if leaf == "A_log":
-        low, high = DECAY_RATE_RANGE
-        return empty.uniform_(low, high, generator=generator).log()
+        return empty.uniform_(*DECAY_RATE_RANGE, generator=generator).log()
     if param.dim() <= 1:
         if "norm" in type(owner).__name__.lower() and leaf == "weight":
             return empty.fill_(_neutral_norm(owner, param))
