@@ -43,6 +43,7 @@ from tests.models.hybrid_prefix_cache.harness import (
     Deployment,
     Mode,
     Suite,
+    WorkloadRun,
     run_case,
     server_specs,
 )
@@ -54,7 +55,7 @@ from tests.utils import RemoteOpenAIServer
 
 
 def _start_seconds(specs, binding, concurrent: bool) -> list[float]:
-    servers = start_servers(specs, binding.startup_timeout, concurrent)
+    servers = start_servers(specs, replace(binding, concurrent_start=concurrent))
     try:
         return [s.startup_seconds or 0.0 for s in servers]
     finally:
@@ -173,7 +174,8 @@ def main() -> int:
             # Start outside the timing.
             suite.pool.acquire(binding, deployment, Mode())
             started = time.monotonic()
-            record = run_case(suite, f"bench-{name}-block", binding, deployment, Mode())
+            run = WorkloadRun(suite, f"bench-{name}-block", binding, deployment, Mode())
+            record = run_case(run)
             walls[name] = time.monotonic() - started
             assert record.ok, record.explain()
         finally:

@@ -344,9 +344,7 @@ def test_serve_info():
         # recompute on the decoder alone are held to.
         recompute_atol=7.9e-3,
     )
-    info = harness.records.serve_info(
-        play, 8, 5, harness.client.PREFILL_KV_TRANSFER_PARAMS
-    )
+    info = harness.records.serve_info(play)
     assert info["servers"][0] == {
         "name": "prefill",
         "args": ["--enable-prefix-caching"],
@@ -358,7 +356,7 @@ def test_serve_info():
         info["prefill_kv_transfer_params"] == harness.client.PREFILL_KV_TRANSFER_PARAMS
     )
     assert info["vllm_file"].endswith("vllm/__init__.py")
-    assert harness.records.serve_info(None, 8, 5, {}) is None
+    assert harness.records.serve_info(None) is None
 
 
 def sample(tokens, cached):

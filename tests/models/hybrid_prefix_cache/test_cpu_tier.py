@@ -7,6 +7,8 @@ the Kimi-K3 matrix. Each case passes, fails as a known vLLM bug with its
 evidence, or is refused by the CPU backend with its evidence (cpu_known.py).
 """
 
+from dataclasses import replace
+
 import pytest
 
 from tests.models.hybrid_prefix_cache.cpu_binding import (
@@ -23,6 +25,7 @@ from tests.models.hybrid_prefix_cache.cpu_known import (
 from tests.models.hybrid_prefix_cache.harness import (
     Binding,
     Suite,
+    WorkloadRun,
 )
 from tests.models.hybrid_prefix_cache.tiny_hybrid import write_tiny_hybrid
 
@@ -44,8 +47,8 @@ def test_prefix_cache(hybrid_suite: Suite, binding: Binding, case_id: str) -> No
         if entry.at_config and entry.confirmed_by is None:
             confirm_at_config(binding, case_id, entry)
     deployment, mode = MATRIX.served(case_id)
-    in_process = CpuInProcess(binding)
-    record = MATRIX.run(hybrid_suite, case_id, binding, deployment, mode, in_process)
+    run = WorkloadRun(hybrid_suite, case_id, binding, deployment, mode)
+    record = MATRIX.run(replace(run, in_process=CpuInProcess(binding)))
     assert record.ok, record.explain()
     if case_id in GEOMETRY_CHECKED:
         check_geometry(binding, mode, record)

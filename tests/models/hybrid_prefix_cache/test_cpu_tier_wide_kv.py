@@ -8,6 +8,7 @@ import pytest
 
 from tests.models.hybrid_prefix_cache import cpu_binding as cpu
 from tests.models.hybrid_prefix_cache.harness import (
+    WorkloadRun,
     run_case,
 )
 from tests.models.hybrid_prefix_cache.tiny_hybrid import write_tiny_hybrid
@@ -24,6 +25,7 @@ def binding(tmp_path_factory):
 @pytest.mark.parametrize("mode", ["block", "partial"])
 def test_reference_conversation(hybrid_suite, binding, mode):
     plain, matching = cpu.DEPLOYMENTS["plain"], cpu.MODES[mode]
-    record = run_case(hybrid_suite, f"wide-kv-plain-{mode}", binding, plain, matching)
+    case_id = f"wide-kv-plain-{mode}"
+    record = run_case(WorkloadRun(hybrid_suite, case_id, binding, plain, matching))
     assert record.ok, record.explain()
     cpu.check_geometry(binding, matching, record)

@@ -25,6 +25,7 @@ from tests.models.hybrid_prefix_cache.harness import (
     Binding,
     Suite,
     Units,
+    WorkloadRun,
     cache_config,
     run_case,
 )
@@ -66,7 +67,8 @@ def test_default_budget(
     binding = gpu_binding(model, exact=False)
     mode = served_mode(MODES[mode_name], units)
     case_id = f"plain-{mode_name}-default-budget"
-    record = run_case(hybrid_suite, case_id, binding, DEPLOYMENTS["plain"], mode)
+    run = WorkloadRun(hybrid_suite, case_id, binding, DEPLOYMENTS["plain"], mode)
+    record = run_case(run)
     assert record.ok, record.explain()
 
 
@@ -79,6 +81,6 @@ def binding(model: TinyHybrid) -> Binding:
 def test_prefix_cache(
     hybrid_suite: Suite, binding: Binding, units: Units, case_id: str
 ) -> None:
-    binding, deployment, mode = served(case_id, units, binding)
-    record = MATRIX.run(hybrid_suite, case_id, binding, deployment, mode)
+    run = WorkloadRun(hybrid_suite, case_id, *served(case_id, units, binding))
+    record = MATRIX.run(run)
     assert record.ok, record.explain()

@@ -19,6 +19,7 @@ from tests.models.hybrid_prefix_cache.harness import (
     ServerPool,
     Suite,
     Units,
+    WorkloadRun,
     finding,
     run_case,
 )
@@ -260,9 +261,9 @@ def test_a_refusal_at_start_is_judged_and_summarized(tmp_path, monkeypatch):
     binding = Binding(model="m", base_args=(), token_ids=(10, 20), env={})
     refused = Known("unsupported", "not on CPU", evidence="no streams")
     with pytest.raises(pytest.skip.Exception, match="not on CPU"):
-        run_case(suite, "c", binding, Deployment(), Mode(), known=(refused,))
+        run_case(WorkloadRun(suite, "c", binding, Deployment(), Mode(), (refused,)))
     with pytest.raises(ServerError, match="exited with code 1"):
-        run_case(suite, "d", binding, Deployment(), Mode())
+        run_case(WorkloadRun(suite, "d", binding, Deployment(), Mode()))
     outcomes = [(r.case_id, r.outcome, r.verdict) for r in suite.records]
     assert outcomes == [
         ("c", "error: ServerError", "known refusal"),

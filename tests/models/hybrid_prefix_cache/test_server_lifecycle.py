@@ -33,7 +33,8 @@ from tests.models.hybrid_prefix_cache.cpu_binding import (
 from tests.models.hybrid_prefix_cache.harness import (
     Binding,
     Mode,
-    ServerPool,
+    Suite,
+    WorkloadRun,
     server_specs,
 )
 from tests.models.hybrid_prefix_cache.harness.client import (
@@ -208,16 +209,16 @@ def test_server_killed_mid_turn(binding):
 
 
 def test_assertion_failure_in_a_case(binding):
-    pool = ServerPool()
+    suite = Suite()
     case = CaseSession("assertion-failure")
     with (
         pytest.raises(AssertionError, match="injected"),
-        case.serve(binding, PLAIN, Mode(), pool) as play,
+        case.serve(WorkloadRun(suite, case.case_id, binding, PLAIN, Mode())) as play,
     ):
         for server in play.servers:
             server.pids()
         raise AssertionError("injected")
-    (server,) = pool.launched
+    (server,) = suite.pool.launched
     assert server.proc.poll() is not None, "the case's server is still running"
     assert_no_leftovers([server])
 
@@ -341,7 +342,8 @@ def test_concurrent_start_stops_the_others_when_one_fails(binding, tmp_path):
     bad = replace(good, name="broken", model=str(tmp_path))
     started = time.monotonic()
     with pytest.raises(ServerError, match="the broken server exited"):
-        start_servers([good, bad], 300.0, concurrent=True, launched=launched)
+        at_once = replace(binding, startup_timeout=300.0, concurrent_start=True)
+        start_servers([good, bad], at_once, launched)
     # The good one did not get to finish its startup.
     assert [s.spec.name for s in launched] == ["serve", "broken"]
     assert launched[0].startup_seconds is None

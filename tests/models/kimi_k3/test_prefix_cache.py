@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.models.hybrid_prefix_cache import harness
-from tests.models.hybrid_prefix_cache.harness import CaseRecord, Deployment, Mode, Suite
+from tests.models.hybrid_prefix_cache.harness import CaseRecord, Suite, WorkloadRun
 from tests.models.kimi_k3 import prefix_cache_binding as kimi
 from tests.models.kimi_k3.prefix_cache_mooncake import mooncake_master
 from tests.utils import multi_gpu_marks
@@ -30,30 +30,29 @@ RESEND_CELL = f"plain-{kimi.RESEND_MODE}"
 
 @pytest.mark.parametrize("case_id", PARAMS)
 def test_prefix_cache(hybrid_suite: Suite, case_id: str) -> None:
-    binding, deployment, mode = kimi.served(case_id)
-    record = kimi.MATRIX.run(hybrid_suite, case_id, binding, deployment, mode)
-    check_stated_block(record, deployment, mode)
+    run = WorkloadRun(hybrid_suite, case_id, *kimi.served(case_id))
+    record = kimi.MATRIX.run(run)
+    check_stated_block(record, run)
     assert record.ok, record.explain()
 
 
-def check_stated_block(record: CaseRecord, deployment: Deployment, mode: Mode):
+def check_stated_block(record: CaseRecord, run: WorkloadRun):
     """The block a cell's servers report must be the one KIMI_BLOCKS states
     for them, which its budget and the scheduler tier's replay take."""
-    stated = kimi.stated_block(deployment.instances[0], mode)
-    if record.units is None or isinstance(stated, str):
-        return
-    assert record.units.block == stated, (
-        f"{record.case_id}: the servers report block {record.units.block}, "
-        f"KIMI_BLOCKS states {stated}: update KIMI_BLOCKS"
-    )
+    stated = kimi.stated_block(run.deployment.instances[0], run.mode)
+    if record.units is not None and not isinstance(stated, str):
+        assert record.units.block == stated, (
+            f"{record.case_id}: the servers report block {record.units.block}, "
+            f"KIMI_BLOCKS states {stated}: update KIMI_BLOCKS"
+        )
 
 
 @harness.servers_mark(RESEND_CELL, harness.case_seconds(1, 2, start=False))
 @pytest.mark.parametrize("prompt_len", kimi.RESEND_LENGTHS, ids=lambda n: f"resend-{n}")
 def test_exact_resend(request, hybrid_suite: Suite, prompt_len: int) -> None:
     case_id = f"{RESEND_CELL}-{request.node.callspec.id}"
-    binding, plain, mode = kimi.served(RESEND_CELL)
-    record = harness.run_resend(hybrid_suite, case_id, binding, plain, mode, prompt_len)
+    run = WorkloadRun(hybrid_suite, case_id, *kimi.served(RESEND_CELL))
+    record = harness.run_resend(run, prompt_len)
     assert record.ok, record.explain()
 
 
@@ -69,7 +68,7 @@ def test_mooncake_store_resend(hybrid_suite: Suite, mooncake_config: str) -> Non
     binding, served = kimi.exact(kimi.MOONCAKE_DEPLOYMENT, mode)
     store = {**kimi.MOONCAKE_ENV, "MOONCAKE_CONFIG_PATH": mooncake_config}
     binding = replace(binding, env={**binding.env, **store})
-    length = kimi.MOONCAKE_RESEND_LENGTH
-    case_id = f"mooncake-{kimi.RESEND_MODE}-resend-{length}"
-    record = harness.run_resend(hybrid_suite, case_id, binding, served, mode, length)
+    case_id = f"mooncake-{kimi.RESEND_MODE}-resend-{kimi.MOONCAKE_RESEND_LENGTH}"
+    run = WorkloadRun(hybrid_suite, case_id, binding, served, mode)
+    record = harness.run_resend(run, kimi.MOONCAKE_RESEND_LENGTH)
     assert record.ok, record.explain()

@@ -4,7 +4,9 @@
 problems, rules, deployment, compare, paths, transfer, reconcile, known, clock, servers,
 client, window, conversation, records, session, cases, workload, matrix; plugin."""
 
+from tests.models.hybrid_prefix_cache.harness.cases import InProcess as InProcess
 from tests.models.hybrid_prefix_cache.harness.cases import Suite as Suite
+from tests.models.hybrid_prefix_cache.harness.cases import WorkloadRun as WorkloadRun
 from tests.models.hybrid_prefix_cache.harness.cases import run_case as run_case
 from tests.models.hybrid_prefix_cache.harness.cases import run_resend as run_resend
 from tests.models.hybrid_prefix_cache.harness.client import cache_config as cache_config
@@ -48,6 +50,4 @@ from tests.models.hybrid_prefix_cache.harness.servers import ServerPool as Serve
 from tests.models.hybrid_prefix_cache.harness.servers import (
     server_specs as server_specs,
 )
-from tests.models.hybrid_prefix_cache.harness.workload import InProcess as InProcess
 from tests.models.hybrid_prefix_cache.harness.workload import Workload as Workload
-from tests.models.hybrid_prefix_cache.harness.workload import WorkloadRun as WorkloadRun

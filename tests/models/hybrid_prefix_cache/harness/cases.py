@@ -5,11 +5,13 @@ each in a session on its servers judged by its known failures (harness/session.p
 
 import random
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 import pytest
 
-from tests.models.hybrid_prefix_cache.harness import conversation, rules, session
+from tests.models.hybrid_prefix_cache.harness import conversation, deployment, rules
 from tests.models.hybrid_prefix_cache.harness.client import send_checked
 from tests.models.hybrid_prefix_cache.harness.compare import Found, Turn
 from tests.models.hybrid_prefix_cache.harness.deployment import (
@@ -18,11 +20,11 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (
     Known,
     Mode,
     Units,
-    with_serve_env,
 )
 from tests.models.hybrid_prefix_cache.harness.known import evidence_shown
 from tests.models.hybrid_prefix_cache.harness.records import CaseRecord
 from tests.models.hybrid_prefix_cache.harness.servers import ServerPool
+from tests.models.hybrid_prefix_cache.harness.session import CaseSession, case_session
 
 
 @dataclass
@@ -41,94 +43,109 @@ class Suite:
         self.pool.close()
 
 
+class InProcess(Protocol):
+    """A tier's engines built in-process from exactly its servers' arguments."""
+
+    def units(self, mode: Mode) -> Units: ...
+    def budget(self, deployment: Deployment, mode: Mode) -> int: ...
+    def replay_servers(
+        self, deployment: Deployment, mode: Mode, args: Sequence[str]
+    ) -> tuple[Any, list]: ...
+
+
+@dataclass(frozen=True)
+class WorkloadRun:
+    """One case on real servers, a cell's or its workload's: where it runs, its known
+    failures, its matrix's turns, and the tier's in-process engines (None on B200)."""
+
+    suite: Suite
+    case_id: str
+    binding: Binding
+    deployment: Deployment
+    mode: Mode
+    known: tuple[Known, ...] = ()
+    num_turns: int = rules.NUM_TURNS
+    resend: bool = True
+    in_process: InProcess | None = None
+
+    def session(self) -> AbstractContextManager[CaseSession]:
+        return case_session(self.case_id, self.suite.records, self.known)
+
+    def needs_in_process(self) -> InProcess:
+        if self.in_process is None:
+            raise ValueError(
+                f"{self.case_id}: this workload sizes its servers in-process, "
+                f"and this tier builds no engine in-process"
+            )
+        return self.in_process
+
+
 def run_case(
-    suite: Suite,
-    case_id: str,
-    binding: Binding,
-    deployment: Deployment,
-    mode: Mode,
-    *,
+    run: WorkloadRun,
     shapes: Sequence[str] = (),
     concurrent: bool = False,
     restores: bool = False,
-    known: Sequence[Known] = (),
-    num_turns: int = rules.NUM_TURNS,
-    resend: bool = True,
 ) -> CaseRecord:
     """Check the reference conversation, or one per sweep shape the servers have,
     at once under ``batch_invariant_env`` (``concurrent``) or at the servers' own
-    threads held on the hits' prefill steps (``restores``). A case in ``known``
+    threads held on the hits' prefill steps (``restores``). A case in ``run.known``
     xfails, skips or fails here (harness/session.py)."""
     __tracebackhide__ = True
-    if concurrent and binding.batch_invariant_env is not None:
-        deployment = with_serve_env(deployment, binding.batch_invariant_env)
-    batched = concurrent or restores
-    with (
-        session.case_session(case_id, suite.records, known) as case,
-        case.serve(binding, deployment, mode, suite.pool, batched, restores) as play,
-    ):
-        units = play.units
+    if concurrent and (env := run.binding.batch_invariant_env) is not None:
+        run = replace(run, deployment=deployment.with_serve_env(run.deployment, env))
+    with run.session() as case, case.serve(run, concurrent or restores, restores) as p:
+        turns = {"num_turns": run.num_turns, "resend": run.resend}
         conversations = [
-            conversation.Conversation(s, length, f"{case_id}-{s}", num_turns, resend)
+            conversation.Conversation(s, length, f"{run.case_id}-{s}", **turns)
             for s in dict.fromkeys(shapes)
-            if (length := conversation.shape_length(s, units)) is not None
+            if (length := conversation.shape_length(s, p.units)) is not None
         ]
         if not shapes:
-            reference = conversation.reference_conversation(units, case_id)
-            conversations = [replace(reference, num_turns=num_turns, resend=resend)]
+            reference = conversation.reference_conversation(p.units, run.case_id)
+            conversations = [replace(reference, **turns)]
         elif not conversations:
             pytest.skip(
                 f"shapes {list(shapes)} need a hit unit below the block; this "
-                f"server has hit unit {units.hit}, block {units.block}"
+                f"server has hit unit {p.units.hit}, block {p.units.block}"
             )
-        for _ in conversation.play_waves(play, conversations, case.turns):
+        for _ in conversation.play_waves(p, conversations, case.turns):
             # The known bug's evidence confirms the case (an XPASS plays every turn).
-            if evidence_shown(case.entry, [p for t in case.turns for p in t.problems]):
+            if evidence_shown(case.entry, [x for t in case.turns for x in t.problems]):
                 case.add(
                     notice=f"stopped after {case.turns[-1].name}: the known "
                     f"failure's evidence showed ({case.entry.expects})"
                 )
                 break
-        conversation.finish_turns(play, case.turns)
+        conversation.finish_turns(p, case.turns)
     assert case.record is not None
     return case.record
 
 
 def run_resend(
-    suite: Suite,
-    case_id: str,
-    binding: Binding,
-    deployment: Deployment,
-    mode: Mode,
+    run: WorkloadRun,
     prompt_len: int | Callable[[Units], int],
     failure: Callable[[str], str] | None = None,
     resend_problems: Callable[[Turn, conversation.Play], list[str]] | None = None,
-    known: Sequence[Known] = (),
 ) -> CaseRecord:
     """Send one prompt cold, resend it, recompute it under a fresh salt: the resend
     hits at least its own checkpoint (:func:`expected_resend`). ``prompt_len`` may
     depend on the servers' units; ``failure`` names a property."""
     __tracebackhide__ = True
-    with (
-        session.case_session(case_id, suite.records, known) as case,
-        case.serve(binding, deployment, mode, suite.pool) as play,
-    ):
+    with run.session() as case, case.serve(run) as play:
         if callable(prompt_len):
             prompt_len = prompt_len(play.units)
-        prompt = conversation.random_tokens(
-            random.Random(case_id), binding.token_ids, prompt_len
-        )
+        rng, tokens = random.Random(run.case_id), run.binding.token_ids
+        prompt = conversation.random_tokens(rng, tokens, prompt_len)
         salt = conversation.fresh_salt("resend")
         cold = Turn("", 0, prompt_len, 0, 0, prompt=prompt, salt=salt)
         case.add(cold)
-        cold.output, found = send_checked(play.servers, binding.model, prompt, salt)
+        cold.output, found = send_checked(play.servers, run.binding.model, prompt, salt)
         cold.take(Found(tuple(found)))
         if cold.output.cached_tokens != 0:
             hit = f"cold request: cached {cold.output.cached_tokens}, expected 0"
             cold.take(Found((hit,)))
-        resend = conversation.planned_turn(
-            play, "", rules.PlannedTurn(1, prompt_len, prompt_len, True)
-        )
+        planned = rules.PlannedTurn(1, prompt_len, prompt_len, True)
+        resend = conversation.planned_turn(play, "", planned)
         case.add(resend)
         conversation.play_turn(play, resend, prompt, salt)
         conversation.finish_turns(play, case.turns)

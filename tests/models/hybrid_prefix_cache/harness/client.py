@@ -8,6 +8,7 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 import requests
 from prometheus_client.parser import text_string_to_metric_families
@@ -102,17 +103,33 @@ def _token_id(token: str) -> int:
     return int(token.removeprefix(TOKEN_ID_PREFIX))
 
 
-def _completion(
+def complete(
+    server: Server, model: str, prompt: Sequence[int], salt: str, **options: Any
+) -> Sample:
+    """:func:`give_up`'s completion (its keyword ``options``), never given up."""
+    sample = give_up(server, model, prompt, salt, None, **options)
+    assert sample is not None
+    return sample
+
+
+def give_up(
+    server: Server,
     model: str,
     prompt: Sequence[int],
     salt: str,
-    max_tokens: int,
-    kv_transfer_params: dict | None,
+    after: float | None,
+    *,
+    max_tokens: int = MAX_TOKENS,
+    kv_transfer_params: dict | None = None,
     ignore_eos: bool = False,
     priority: int = 0,
-) -> dict:
-    """``ignore_eos``: it generates ``max_tokens`` tokens whatever it samples;
-    ``priority`` for a server of ``--scheduling-policy priority``."""
+) -> Sample | None:
+    """A greedy completion of ``prompt`` (token ids) under ``salt`` (``ignore_eos``:
+    of ``max_tokens`` tokens whatever it samples; ``priority``: for a server of
+    ``--scheduling-policy priority``), booked on ``server`` for its case's counter
+    window; None where the client gave up after ``after`` seconds (None: never) by
+    closing the connection, on which vLLM's API server aborts the request
+    (entrypoints/serve/utils/api_utils.py with_cancellation)."""
     body = {
         "model": model,
         "prompt": list(prompt),
@@ -128,62 +145,13 @@ def _completion(
         body["priority"] = priority
     if kv_transfer_params is not None:
         body["kv_transfer_params"] = kv_transfer_params
-    return body
-
-
-def complete(
-    server: Server,
-    model: str,
-    prompt: Sequence[int],
-    salt: str,
-    *,
-    max_tokens: int = MAX_TOKENS,
-    kv_transfer_params: dict | None = None,
-    ignore_eos: bool = False,
-    priority: int = 0,
-) -> Sample:
-    """A greedy completion of ``prompt`` (token ids) under ``salt``."""
-    body = _completion(
-        model, prompt, salt, max_tokens, kv_transfer_params, ignore_eos, priority
-    )
-    sample = _post(server, body)
-    assert sample is not None
-    return sample
-
-
-def give_up(
-    server: Server,
-    model: str,
-    prompt: Sequence[int],
-    salt: str,
-    after: float,
-    *,
-    max_tokens: int = MAX_TOKENS,
-    kv_transfer_params: dict | None = None,
-) -> Sample | None:
-    """A greedy completion (a P/D prefill leg with ``kv_transfer_params``) given up
-    after ``after`` seconds without an answer by closing the connection, on which
-    vLLM's API server aborts the request (entrypoints/serve/utils/api_utils.py
-    with_cancellation). None where the client gave up, else the answer."""
-    body = _completion(model, prompt, salt, max_tokens, kv_transfer_params)
-    return _post(server, body, give_up_after=after)
-
-
-def _post(
-    server: Server, body: dict, give_up_after: float | None = None
-) -> Sample | None:
-    """The completion's sample, booked on ``server`` (Server.book_answer) for
-    its case's counter window; None where the client gave up after
-    ``give_up_after`` seconds without an answer (else a failure)."""
     url = server.url_for("v1/completions")
-    timeout = (
-        REQUEST_TIMEOUT if give_up_after is None else (CONTROL_TIMEOUT, give_up_after)
-    )
+    timeout = REQUEST_TIMEOUT if after is None else (CONTROL_TIMEOUT, after)
     try:
         with clock.phase("requests"):
             response = requests.post(url, json=body, timeout=timeout)
     except requests.RequestException as e:
-        if give_up_after is not None and isinstance(e, requests.ReadTimeout):
+        if after is not None and isinstance(e, requests.ReadTimeout):
             return None
         failure = f"did not answer a completion ({type(e).__name__}: {e})"
     else:
@@ -202,8 +170,8 @@ def _post(
             "the server reports no usage.prompt_tokens_details.cached_tokens; "
             "serve with --enable-prompt-tokens-details"
         )
-    params = body.get("kv_transfer_params")
-    server.book_answer(reconcile.ledger_entry(usage["prompt_tokens"], cached, params))
+    entry = reconcile.ledger_entry(usage["prompt_tokens"], cached, kv_transfer_params)
+    server.book_answer(entry)
     logprobs = choice["logprobs"]
     return Sample(
         token_ids=[_token_id(t) for t in logprobs["tokens"]],

@@ -13,6 +13,7 @@ from tests.models.hybrid_prefix_cache.harness.rules import impossible_hit, seen_
 from tests.models.utils import check_logprobs_close
 
 NUM_LOGPROBS = 5
+Names = tuple[str, str]  # what messages call two compared samples
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,7 @@ def _top(sample: Sample, index: int) -> str:
 
 
 def first_divergence(
-    hit: Sample, recompute: Sample, names: tuple[str, str] = ("hit", "recompute")
+    hit: Sample, recompute: Sample, names: Names = ("hit", "recompute")
 ) -> str:
     """Where two samples' tokens part, with both top-k there; "" if never."""
     i = logprob_gap(hit, recompute)[1]
@@ -204,20 +205,15 @@ def near_tie(a: Sample, b: Sample, index: int, tolerance: float) -> bool:
 
 
 def compare(
-    name: str,
-    a: Sample,
-    b: Sample,
-    names: tuple[str, str],
-    tolerance: float | None,
-    same_path: bool,
+    name: str, a: Sample, b: Sample, names: Names, atol: float | None, same_path: bool
 ) -> tuple[str, Found]:
     """Why ``a`` fails against ``b`` ("" if not), and what it found; across paths a
     parting may be a :func:`near_tie`, too wide for check_logprobs_close's top-k."""
     gap, part = logprob_gap(a, b)
     divergence = first_divergence(a, b, names)
     what = f"{names[0]} vs {names[1]}"
-    seen = Found(comparisons=(Comparison(what, gap, tolerance, same_path, divergence),))
-    if tolerance is None:
+    seen = Found(comparisons=(Comparison(what, gap, atol, same_path, divergence),))
+    if atol is None:
         try:
             check_logprobs_close(
                 outputs_0_lst=[(b.token_ids, b.text, b.top_logprobs)],
@@ -233,14 +229,12 @@ def compare(
     if divergence:
         if same_path:
             return f"on the same path: {divergence}", seen
-        if part is None or not near_tie(a, b, part, tolerance):
-            return f"not a near tie within {tolerance:.3g}: {divergence}", seen
-        notice = (
-            f"{name}: near tie within the path tolerance {tolerance:.3g}: {divergence}"
-        )
+        if part is None or not near_tie(a, b, part, atol):
+            return f"not a near tie within {atol:.3g}: {divergence}", seen
+        notice = f"{name}: near tie within the path tolerance {atol:.3g}: {divergence}"
         seen += Found(notices=(notice,))
-    if gap > tolerance:
-        return f"sampled logprobs differ by {gap:.3g} > {tolerance:.3g}", seen
+    if gap > atol:
+        return f"sampled logprobs differ by {gap:.3g} > {atol:.3g}", seen
     return "", seen
 
 

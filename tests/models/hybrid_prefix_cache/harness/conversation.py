@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Conversations: their shapes and random prompts, and how a case plays
-them turn by turn against its servers (:func:`run_conversations`)."""
+them turn by turn against its servers (:func:`play_waves`)."""
 
 import time
 import uuid
@@ -65,14 +65,11 @@ def random_tokens(rng: Random, token_ids: tuple[int, int], n: int) -> list[int]:
 
 
 def grown_prompt(
-    rng: Random,
-    token_ids: tuple[int, int],
-    prompt: Sequence[int],
-    output: Sequence[int],
+    rng: Random, tokens: tuple[int, int], prompt: Sequence[int], output: Sequence[int]
 ) -> list[int]:
-    """``prompt``, then its ``output`` and random tokens, TURN_TOKENS in all."""
+    """``prompt``, then its ``output`` and random ``tokens``, TURN_TOKENS in all."""
     appended = list(output[: rules.TURN_TOKENS])
-    fill = random_tokens(rng, token_ids, rules.TURN_TOKENS - len(appended))
+    fill = random_tokens(rng, tokens, rules.TURN_TOKENS - len(appended))
     return [*prompt, *appended, *fill]
 
 
@@ -269,12 +266,3 @@ def play_waves(
                 assert turn.output is not None
                 out = turn.output.token_ids
                 prompts[i] = grown_prompt(rngs[i], token_ids, prompt, out)
-
-
-def run_conversations(
-    play: Play, conversations: Sequence[Conversation], turns: list[Turn]
-) -> None:
-    """Every wave of :func:`play_waves`, then the case's path noise."""
-    for _ in play_waves(play, conversations, turns):
-        pass
-    finish_turns(play, turns)

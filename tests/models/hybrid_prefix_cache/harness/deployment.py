@@ -35,8 +35,7 @@ class Mode:
     def drafting(self, instance: "Instance | None" = None) -> rules.Drafting:
         """:func:`rules.drafting` for ``instance`` (None: no KV connector)."""
         instance = instance or Instance()
-        kv_config, caching = instance.kv_config, instance.prefix_caching
-        return rules.drafting(self.spec, kv_config=kv_config, prefix_caching=caching)
+        return rules.drafting(self.spec, instance.kv_config, instance.prefix_caching)
 
     def args(self, prefix_caching: bool = True) -> list[str]:
         """``vllm serve`` arguments; no match unit without prefix caching."""
@@ -234,21 +233,17 @@ class Known:
     def __post_init__(self) -> None:
         if self.kind not in ("xfail", "unsupported"):
             raise ValueError(f"unknown kind of known failure: {self.kind!r}")
-        if bool(self.evidence) == self.in_record:
+        if bool(self.evidence) == (self.found is not None):
             raise ValueError("a known failure shows either vLLM's text or a finding")
         if self.at_config and self.kind != "unsupported":
             raise ValueError("only a refusal can be confirmed at config time")
-        if self.at_config and self.in_record:
+        if self.at_config and self.found is not None:
             raise ValueError("a refusal at config time leaves no record")
 
     @property
     def replayed(self) -> bool:
         """Whether the scheduler tier's replay shows it, not a served case."""
         return self.found is not None and self.found.kind == "scheduler-hit"
-
-    @property
-    def in_record(self) -> bool:
-        return self.found is not None
 
     @property
     def expects(self) -> str:
@@ -266,7 +261,7 @@ class Known:
         """Where the evidence shows: "config", "record" or "crash"."""
         if self.at_config:
             return "config"
-        return "record" if self.in_record else "crash"
+        return "record" if self.found is not None else "crash"
 
     def holds(self, version: Version | None = None) -> bool:
         """Whether it holds for ``version`` (default: the vLLM under test)."""

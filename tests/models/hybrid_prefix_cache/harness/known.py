@@ -35,11 +35,7 @@ class Judgment:
 
 
 def judge_failure(
-    case_id: str,
-    entry: Known,
-    text: str,
-    shown: str | None = None,
-    problems: Sequence[str] = (),
+    case_id: str, entry: Known, text: str, shown: str = "", problems: Sequence[str] = ()
 ) -> Judgment:
     """A listed case failed with ``text`` and found ``problems``; a stale table's
     message says ``shown`` (the problems, and the logs by path), else ``text``."""
@@ -48,7 +44,7 @@ def judge_failure(
             STALE,
             f"{case_id} is listed as {entry.kind} ({entry.reason}) and "
             f"failed, but without {entry.expects}: update the table.\n"
-            + (text if shown is None else shown),
+            + (shown or text),
         )
     how = "confirmed" if entry.kind == "unsupported" else "seen"
     message = f"{entry.reason} ({how}: {entry.expects})"
@@ -66,7 +62,7 @@ def judge_pass(case_id: str, entry: Known) -> Judgment:
 def evidence_shown(entry: Known | None, problems: list[str]) -> bool:
     """Where a known bug shows in a turn's problems (``found``), whether
     ``problems`` show it: later turns would change nothing."""
-    if entry is None or entry.kind != "xfail" or not entry.in_record:
+    if entry is None or entry.kind != "xfail" or entry.found is None:
         return False
     return entry.shown("", problems)
 

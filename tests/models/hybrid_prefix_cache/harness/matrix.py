@@ -9,16 +9,10 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from tests.models.hybrid_prefix_cache.harness import conversation, rules, workload
-from tests.models.hybrid_prefix_cache.harness.cases import Suite, run_case
-from tests.models.hybrid_prefix_cache.harness.deployment import (
-    Binding,
-    Deployment,
-    Known,
-    Mode,
-    Units,
-    select_known,
-)
+from tests.models.hybrid_prefix_cache.harness import deployment, rules, workload
+from tests.models.hybrid_prefix_cache.harness.cases import WorkloadRun, run_case
+from tests.models.hybrid_prefix_cache.harness.conversation import SHAPES
+from tests.models.hybrid_prefix_cache.harness.deployment import Deployment, Mode, Units
 from tests.models.hybrid_prefix_cache.harness.known import judge_confirmed_elsewhere
 from tests.models.hybrid_prefix_cache.harness.records import CaseRecord
 
@@ -124,7 +118,7 @@ class Matrix:
 
     deployments: Mapping[str, Deployment]
     modes: Mapping[str, Mode]
-    known: Mapping[str, Sequence[Known]] = field(default_factory=dict)
+    known: Mapping[str, Sequence[deployment.Known]] = field(default_factory=dict)
     sweep: tuple[str, ...] = ()
     workloads: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     workload_turns: Mapping[str, int] = field(default_factory=dict)
@@ -139,9 +133,9 @@ class Matrix:
         # Every case, ordered so consecutive ones share servers: each cell, its
         # workloads and sweep, then the workloads with servers of their own.
         cases = {}
-        for deployment in self.deployments:
+        for deployment_name in self.deployments:
             for mode_name, mode in self.modes.items():
-                cell = Case(deployment, mode_name)
+                cell = Case(deployment_name, mode_name)
                 loads = [
                     self._workload_case(cell, name)
                     for name, cells in self.workloads.items()
@@ -149,7 +143,7 @@ class Matrix:
                 ]
                 cell_cases = [cell, *(c for c in loads if not c.own_servers)]
                 if cell.cell in self.sweep:
-                    for shape, (inblock, _) in conversation.SHAPES.items():
+                    for shape, (inblock, _) in SHAPES.items():
                         # A boundary inside a block needs a unit below it.
                         if not inblock or mode.prefix_match_unit is not None:
                             cell_cases.append(replace(cell, shape=shape))
@@ -190,12 +184,12 @@ class Matrix:
         case = self.cases[case_id]
         return self.deployments[case.deployment], self.modes[case.mode]
 
-    def known_for(self, case_id: str) -> tuple[Known, ...]:
+    def known_for(self, case_id: str) -> tuple[deployment.Known, ...]:
         """The known failures of a case (its own, or its cell's) that hold here."""
         entries = self.known.get(case_id, self.known.get(self.cases[case_id].cell, ()))
         return tuple(k for k in entries if k.holds() and not k.replayed)
 
-    def replayed_known(self, cell: str) -> dict[str, Known]:
+    def replayed_known(self, cell: str) -> dict[str, deployment.Known]:
         """The scheduler tier's known failures of ``cell`` that hold here."""
         return {
             name: known
@@ -204,39 +198,25 @@ class Matrix:
             if known.holds() and known.replayed
         }
 
-    def run(
-        self,
-        suite: Suite,
-        case_id: str,
-        binding: Binding,
-        deployment: Deployment,
-        mode: Mode,
-        in_process: workload.InProcess | None = None,
-    ) -> CaseRecord:
-        """``case_id`` played on ``suite``'s servers as served, held to its known
-        failures: its cell's conversation or its workload's play."""
+    def run(self, run: WorkloadRun) -> CaseRecord:
+        """``run.case_id`` played as served, held to its known failures: its cell's
+        conversation or its workload's play, with the case's turns."""
         __tracebackhide__ = True
-        case, known = self.cases[case_id], self.known_for(case_id)
-        judge_confirmed_elsewhere(known, {r.case_id: r.verdict for r in suite.records})
-        served = (suite, case_id, binding, deployment, mode)
+        case, known = self.cases[run.case_id], self.known_for(run.case_id)
+        verdicts = {record.case_id: record.verdict for record in run.suite.records}
+        judge_confirmed_elsewhere(known, verdicts)
+        run = replace(run, known=known, num_turns=case.num_turns, resend=case.resend)
         if case.workload is not None:
             spec = self.catalog[case.workload]
             assert spec.play is not None, f"{spec.name} has no real-server play"
-            fields = (*served, known, case.num_turns, case.resend, in_process)
-            return spec.play(workload.WorkloadRun(*fields))
+            return spec.play(run)
         shapes: tuple[str, ...] = (case.shape,) if case.shape else ()
         if case.at_once:
-            units = None if in_process is None else in_process.units(mode)
-            shapes = self.concurrent_shapes(case_id, units)
+            units = None if run.in_process is None else run.in_process.units(run.mode)
+            shapes = self.concurrent_shapes(run.case_id, units)
             if not shapes:
                 pytest.skip(f"every sweep shape of {case.cell} fails alone at {units}")
-        return run_case(
-            *served,
-            shapes=shapes,
-            concurrent=case.concurrent,
-            restores=case.restores,
-            known=known,
-        )
+        return run_case(run, shapes, case.concurrent, case.restores)
 
     def concurrent_shapes(self, case_id: str, units: Units | None) -> tuple[str, ...]:
         """The cell's shapes that pass alone at ``units``; one failing alone is left
@@ -246,9 +226,10 @@ class Matrix:
             return ()
         return tuple(
             shape
-            for shape in conversation.SHAPES
+            for shape in SHAPES
             if f"{case.cell}-{shape}" in self.cases
-            and select_known(self.known_for(f"{case.cell}-{shape}"), units) is None
+            and deployment.select_known(self.known_for(f"{case.cell}-{shape}"), units)
+            is None
         )
 
     def params(
@@ -260,15 +241,15 @@ class Matrix:
         ``device_marks(n)`` on ``n`` > 1 devices, skipped where ``skip`` says why."""
         params = []
         for case_id, case in self.cases.items():
-            deployment = self.deployments[case.deployment]
+            deployed = self.deployments[case.deployment]
             # The cell's first case starts its servers and the rest reuse them,
             # except a workload with servers of its own.
             key = self.servers_key(case_id)
             start = case.case_id in (case.cell, key)
-            seconds = case_seconds(len(deployment.instances), case.turns, start)
+            seconds = case_seconds(len(deployed.instances), case.turns, start)
             marks = [servers_mark(key, seconds)]
-            if device_marks is not None and deployment.num_devices > 1:
-                marks += device_marks(deployment.num_devices)
+            if device_marks is not None and deployed.num_devices > 1:
+                marks += device_marks(deployed.num_devices)
             if skip is not None and (reason := skip(case_id)) is not None:
                 marks.append(pytest.mark.skip(reason=reason))
             params.append(pytest.param(case_id, id=case_id, marks=marks))

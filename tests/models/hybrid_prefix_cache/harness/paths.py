@@ -6,13 +6,8 @@ cold controls measure (:func:`check_paths`). Pure."""
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tests.models.hybrid_prefix_cache.harness.compare import (
-    Found,
-    Sample,
-    Turn,
-    compare,
-    logprob_gap,
-)
+from tests.models.hybrid_prefix_cache.harness import compare
+from tests.models.hybrid_prefix_cache.harness.compare import Found, Sample, Turn
 
 # Cross-path comparisons (GPU and Kimi bindings only) are held to this many
 # times the cold controls' largest gap: two bf16 binades. Over at least
@@ -84,7 +79,7 @@ def control_shifts(turns: Sequence[Turn]) -> list[tuple[Turn, int]]:
 def pairs_noise(pairs: Sequence[tuple[Sample, Sample]]) -> PathNoise | None:
     if not pairs:
         return None
-    return PathNoise(max(logprob_gap(a, b)[0] for a, b in pairs), len(pairs))
+    return PathNoise(max(compare.logprob_gap(a, b)[0] for a, b in pairs), len(pairs))
 
 
 def path_noise(turns: Sequence[Turn]) -> PathNoise | None:
@@ -111,7 +106,7 @@ def _across_paths(turn: Turn, noise: PathNoise, tolerance: float | None) -> Foun
         return found  # a resend's cold first request
     if turn.batched and out is not None and twin is not None:
         names = ("hit", "batched cold twin")
-        why, found = compare(name, out, twin, names, tolerance, False)
+        why, found = compare.compare(name, out, twin, names, tolerance, False)
         if why and turn.restored:
             problems.append(
                 f"{name}: the batched hit, {turn.restored} tokens restored from "
@@ -127,7 +122,7 @@ def _across_paths(turn: Turn, noise: PathNoise, tolerance: float | None) -> Foun
     elif turn.mid_block and out is not None:
         other = "cold twin" if twin is not None else "recompute"
         names = ("hit", f"{other} (mid-block: measured noise)")
-        why, found = compare(name, out, twin or rec, names, tolerance, False)
+        why, found = compare.compare(name, out, twin or rec, names, tolerance, False)
         if why:
             problems.append(
                 f"{name}: the hit, {turn.restored} tokens restored from the "
@@ -136,7 +131,7 @@ def _across_paths(turn: Turn, noise: PathNoise, tolerance: float | None) -> Foun
             )
     if twin is not None and not turn.batched and turn.relay is None:
         names = ("cold twin", "decoder alone")
-        why, seen = compare(name, twin, rec, names, tolerance, False)
+        why, seen = compare.compare(name, twin, rec, names, tolerance, False)
         found += seen
         if why:
             problems.append(

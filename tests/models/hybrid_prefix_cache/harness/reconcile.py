@@ -8,7 +8,6 @@ from dataclasses import astuple, dataclass
 
 from tests.models.hybrid_prefix_cache.harness import compare, rules
 from tests.models.hybrid_prefix_cache.harness.deployment import Deployment, Mode, Units
-from tests.models.hybrid_prefix_cache.harness.rules import PD_PREFILL_BACKOFF
 
 # Prometheus counters the oracle reconciles, by role.
 PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
@@ -61,9 +60,9 @@ def ledger_entry(
     queries, held, connector = prompt_tokens, cached_tokens, prompt_tokens
     if params.get("do_remote_decode"):
         queries = prompt_tokens - rules.pd_lookup_backoff()
-        connector = prompt_tokens - PD_PREFILL_BACKOFF
+        connector = prompt_tokens - rules.PD_PREFILL_BACKOFF
     elif params.get("do_remote_prefill"):
-        held = prompt_tokens - PD_PREFILL_BACKOFF
+        held = prompt_tokens - rules.PD_PREFILL_BACKOFF
     return Ledger(1, prompt_tokens, cached_tokens, queries, held, connector)
 
 
@@ -76,7 +75,7 @@ def aborted_entry(prompt_tokens: int) -> Ledger:
 def decoder_pulls(prompt_len: int, local_hit: float) -> float:
     """Tokens a P/D decoder pulls: the prompt less the backoff and its own hit
     (nixl/pull_scheduler.py NixlPullScheduler.get_num_new_matched_tokens)."""
-    return max(prompt_len - PD_PREFILL_BACKOFF - local_hit, 0)
+    return max(prompt_len - rules.PD_PREFILL_BACKOFF - local_hit, 0)
 
 
 def decoder_resend_hit(
@@ -91,7 +90,7 @@ def decoder_resend_hit(
         return 0
     rule = mode.drafting(deployment.decode)
     end = rules.expected_resend(prompt_len, units.hit, rule.drops_unit, rule.lookahead)
-    return min(prompt_len - PD_PREFILL_BACKOFF, end) // units.block * units.block
+    return min(prompt_len - rules.PD_PREFILL_BACKOFF, end) // units.block * units.block
 
 
 def decoder_problems(
@@ -99,7 +98,7 @@ def decoder_problems(
 ) -> list[str]:
     """How a decode leg breaks its role: one NIXL transfer iff it pulls
     anything (:func:`decoder_pulls`), and its own hit within what it loads."""
-    pulled = prompt_len - PD_PREFILL_BACKOFF
+    pulled = prompt_len - rules.PD_PREFILL_BACKOFF
     problems = []
     if local_hit > pulled:
         problems.append(

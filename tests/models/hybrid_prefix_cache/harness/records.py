@@ -8,8 +8,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from tests.models.hybrid_prefix_cache.harness import compare, deployment, paths, servers
+from tests.models.hybrid_prefix_cache.harness import client, compare, deployment, paths
 from tests.models.hybrid_prefix_cache.harness.problems import Problem
+from tests.models.hybrid_prefix_cache.harness.servers import report_folder
 
 
 def _findings(problems: Sequence[str]) -> list[dict]:
@@ -181,14 +182,13 @@ class CaseRecord(CaseProblems):
         }
 
 
-def serve_info(
-    play, max_tokens: int, num_logprobs: int, prefill_kv_transfer_params: Mapping
-) -> dict | None:
+def serve_info(play) -> dict | None:
     """What a reproducer needs of a case's servers (None: it got none)."""
     if play is None:
         return None
     specs = [s.spec for s in play.servers if getattr(s, "spec", None) is not None]
     pd = play.deployment.prefill is not None
+    params = dict(client.PREFILL_KV_TRANSFER_PARAMS) if pd else None
     vllm = sys.modules.get("vllm")
     return {
         "model": play.binding.model,
@@ -205,9 +205,9 @@ def serve_info(
         "offload": play.deployment.offload,
         "logprob_atol": play.recompute_atol,
         "compares_logprobs": play.deployment.compares_logprobs,
-        "max_tokens": max_tokens,
-        "logprobs": num_logprobs,
-        "prefill_kv_transfer_params": dict(prefill_kv_transfer_params) if pd else None,
+        "max_tokens": client.MAX_TOKENS,
+        "logprobs": compare.NUM_LOGPROBS,
+        "prefill_kv_transfer_params": params,
         "vllm_version": getattr(vllm, "__version__", None),
         "vllm_file": getattr(vllm, "__file__", None),
     }
@@ -223,7 +223,7 @@ def report(record: CaseRecord, summary: list[CaseRecord] | None = None) -> None:
         print(f"problem: {problem}")
     if summary is not None:
         summary.append(record)
-    path = servers.report_folder() / f"{record.case_id}.json"
+    path = report_folder() / f"{record.case_id}.json"
     path.write_text(json.dumps(record.as_json(), indent=1))
     if not record.ok:
         print(f"record: {path} (its reproducer: dev/suite.sh reproduce {path})")

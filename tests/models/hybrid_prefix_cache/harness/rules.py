@@ -154,10 +154,7 @@ def _connector_hashes_lookahead(kv_config: Mapping) -> bool:
 
 
 def drafting(
-    spec: Mapping | None,
-    *,
-    kv_config: Mapping | None = None,
-    prefix_caching: bool = True,
+    spec: Mapping | None, kv_config: Mapping | None = None, prefix_caching: bool = True
 ) -> Drafting:
     """What drafter ``spec`` changes behind ``kv_config``. Drop: config/speculative.py
     use_eagle_block_drop (0.26: use_eagle). Lookahead: config/vllm.py

@@ -17,14 +17,8 @@ from pathlib import Path
 
 import requests
 
-from tests.models.hybrid_prefix_cache.harness import clock, reconcile
-from tests.models.hybrid_prefix_cache.harness.deployment import (
-    Binding,
-    Deployment,
-    Mode,
-    device_ranges,
-    server_args,
-)
+from tests.models.hybrid_prefix_cache.harness import clock, deployment, reconcile
+from tests.models.hybrid_prefix_cache.harness.deployment import Binding, Mode
 from tests.utils import RemoteOpenAIServer, _sanitize_pythonpath_env
 from vllm.platforms import current_platform
 from vllm.utils.network_utils import get_open_port
@@ -65,8 +59,7 @@ class ServerError(AssertionError):
 
     def __init__(self, message: str, log: str = "", log_path: Path | None = None):
         super().__init__(message)
-        self.log = log
-        self.log_path = log_path
+        self.log, self.log_path = log, log_path
 
 
 @dataclass(frozen=True)
@@ -99,33 +92,26 @@ def internal_port_base() -> int:
 
 
 def server_specs(
-    binding: Binding, deployment: Deployment, mode: Mode
+    binding: Binding, deployed: deployment.Deployment, mode: Mode
 ) -> tuple[ServerSpec, ...]:
-    """The servers of ``deployment`` in ``mode``, prefiller first."""
-    pd = deployment.prefill is not None
+    """The servers of ``deployed`` in ``mode``, prefiller first."""
+    pd = deployed.prefill is not None
     names = ("prefill", "decode") if pd else ("serve",)
     specs = []
-    ranges = device_ranges(deployment)
-    for name, instance, devices in zip(names, deployment.instances, ranges):
+    ranges = deployment.device_ranges(deployed)
+    for name, instance, devices in zip(names, deployed.instances, ranges):
         env = {**binding.env, **instance.env}
-        if deployment.offload:
+        if deployed.offload:
             env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache
         if pd:
             # Hybrid models transfer their conv state in the DS layout.
             env["VLLM_SSM_CONV_STATE_LAYOUT"] = "DS"
             if binding.visible_devices_env is not None:
                 env[binding.visible_devices_env] = ",".join(map(str, devices))
-        specs.append(
-            ServerSpec(
-                name=name,
-                model=binding.model,
-                args=tuple(server_args(binding, instance, mode)),
-                env=tuple(sorted(env.items())),
-                side_channel_port=pd,
-                prefix_caching=instance.prefix_caching,
-                connector=instance.kv_config is not None,
-            )
-        )
+        args = tuple(deployment.server_args(binding, instance, mode))
+        served = (name, binding.model, args, tuple(sorted(env.items())), pd)
+        connector = instance.kv_config is not None
+        specs.append(ServerSpec(*served, instance.prefix_caching, connector))
     return tuple(specs)
 
 
@@ -308,17 +294,15 @@ def wait_healthy(servers: Sequence[Server]) -> None:
 
 
 def start_servers(
-    specs: Sequence[ServerSpec],
-    startup_timeout: float,
-    concurrent: bool,
-    launched: list[Server] | None = None,
+    specs: Sequence[ServerSpec], binding: Binding, launched: list[Server] | None = None
 ) -> list[Server]:
-    """Start ``specs`` and wait until healthy; on failure stop all started."""
+    """Start ``specs`` (at once where ``binding.concurrent_start``) and wait until
+    healthy; on failure stop all started."""
     servers: list[Server] = []
     try:
         for spec in specs:
-            servers.append(Server(spec, startup_timeout, launched=launched))
-            if not concurrent:
+            servers.append(Server(spec, binding.startup_timeout, launched=launched))
+            if not binding.concurrent_start:
                 wait_healthy(servers[-1:])
         wait_healthy(servers)
     except BaseException:
@@ -330,14 +314,11 @@ def start_servers(
 @contextlib.contextmanager
 def serve(
     binding: Binding,
-    deployment: Deployment,
+    deployed: deployment.Deployment,
     mode: Mode,
     launched: list[Server] | None = None,
 ) -> Iterator[list[Server]]:
-    specs = server_specs(binding, deployment, mode)
-    servers = start_servers(
-        specs, binding.startup_timeout, binding.concurrent_start, launched
-    )
+    servers = start_servers(server_specs(binding, deployed, mode), binding, launched)
     try:
         yield servers
     finally:
@@ -353,24 +334,20 @@ class ServerPool:
         self._servers: list[Server] = []
         self.launched: list[Server] = []
         self.starts = self.reuses = 0
-        self.startup_seconds: list[float] = []
 
     def acquire(
-        self, binding: Binding, deployment: Deployment, mode: Mode
+        self, binding: Binding, deployed: deployment.Deployment, mode: Mode
     ) -> list[Server]:
-        specs = server_specs(binding, deployment, mode)
+        specs = server_specs(binding, deployed, mode)
         alive = all(server.proc.poll() is None for server in self._servers)
         if specs == self._specs and alive:
             self.reuses += 1
             return self._servers
         self.close()
         with clock.phase("start"):
-            servers = start_servers(
-                specs, binding.startup_timeout, binding.concurrent_start, self.launched
-            )
+            servers = start_servers(specs, binding, self.launched)
         self._specs, self._servers = specs, servers
         self.starts += len(servers)
-        self.startup_seconds += [s.startup_seconds or 0.0 for s in servers]
         return servers
 
     def close(self) -> None:

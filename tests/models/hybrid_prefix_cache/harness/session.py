@@ -8,25 +8,26 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.models.hybrid_prefix_cache.harness import client, clock, records, window
-from tests.models.hybrid_prefix_cache.harness.compare import NUM_LOGPROBS, Turn
+from tests.models.hybrid_prefix_cache.harness.compare import Turn
 from tests.models.hybrid_prefix_cache.harness.conversation import Play
 from tests.models.hybrid_prefix_cache.harness.deployment import (
-    Binding,
-    Deployment,
     Known,
-    Mode,
     Units,
     select_known,
 )
 from tests.models.hybrid_prefix_cache.harness.known import judge_failure, judge_pass
 from tests.models.hybrid_prefix_cache.harness.paths import PathNoise
 from tests.models.hybrid_prefix_cache.harness.records import CaseRecord
-from tests.models.hybrid_prefix_cache.harness.servers import ServerPool, report_folder
+from tests.models.hybrid_prefix_cache.harness.servers import report_folder
 from tests.models.hybrid_prefix_cache.harness.window import Window
+
+if TYPE_CHECKING:  # a later module, which runs its cases in sessions
+    from tests.models.hybrid_prefix_cache.harness.cases import WorkloadRun
 
 
 @dataclass(repr=False)
@@ -53,36 +54,28 @@ class CaseSession(records.CaseProblems):
         return f"CaseSession({self.case_id!r}, {len(self.turns)} turns)"
 
     def add(
-        self,
-        turn: Turn | None = None,
-        problem: str | None = None,
-        notice: str | None = None,
+        self, turn: Turn | None = None, problem: str = "", notice: str = ""
     ) -> None:
         """A turn as it starts (so a crash leaves it in the record), a problem
         of the whole case, or a notice."""
         assert self.record is None, f"{self.case_id} has ended"
         if turn is not None:
             self.turns.append(turn)
-        if problem is not None:
+        if problem:
             self.problems.append(problem)
-        if notice is not None:
+        if notice:
             self.notices.append(notice)
 
     @contextlib.contextmanager
     def serve(
-        self,
-        binding: Binding,
-        deployment: Deployment,
-        mode: Mode,
-        pool: ServerPool,
-        batched: bool = False,
-        prefill_step: bool = False,
+        self, run: "WorkloadRun", batched: bool = False, prefill_step: bool = False
     ) -> Iterator[Play]:
         """Open the case's counter window on its servers and reconcile it at the end.
         A case that ends in an exception stops its servers: they may be what broke."""
         __tracebackhide__ = True
+        pool, binding, mode = run.suite.pool, run.binding, run.mode
         starts = pool.starts
-        servers = pool.acquire(binding, deployment, mode)
+        servers = pool.acquire(binding, run.deployment, mode)
         self.reused = pool.starts == starts
         if not self.reused:
             self.startup_seconds = [s.startup_seconds or 0.0 for s in servers]
@@ -90,9 +83,8 @@ class CaseSession(records.CaseProblems):
             # Units of the instance that consults its cache: the prefiller under P/D.
             self.units = Units.from_cache_config(client.cache_config(servers[0]), mode)
             self.window = window.open_window(servers)
-            served = (servers, binding, deployment, mode, self.units)
-            atol = binding.logprob_atol
-            self.play = Play(*served, atol, batched=batched, prefill_step=prefill_step)
+            served = (servers, binding, run.deployment, mode, self.units)
+            self.play = Play(*served, binding.logprob_atol, batched, prefill_step)
             yield self.play
             self.metrics, problems = window.close_window(self.window, mode, self.turns)
             self.problems += problems
@@ -111,7 +103,6 @@ class CaseSession(records.CaseProblems):
         return select_known(self.known, self.units)
 
     def freeze(self, outcome: str, verdict: str, seconds: float) -> CaseRecord:
-        play = self.play
         return CaseRecord(
             self.case_id,
             test=self.test,
@@ -127,9 +118,7 @@ class CaseSession(records.CaseProblems):
             outcome=outcome,
             verdict=verdict,
             noise=self.noise,
-            serve=records.serve_info(
-                play, client.MAX_TOKENS, NUM_LOGPROBS, client.PREFILL_KV_TRANSFER_PARAMS
-            ),
+            serve=records.serve_info(self.play),
         )
 
 

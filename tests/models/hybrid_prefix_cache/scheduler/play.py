@@ -78,7 +78,7 @@ def play_conversations(
     token_ids: tuple[int, int],
     concurrent: bool = False,
 ) -> list[TurnResult]:
-    """As harness.conversation.run_conversations and play_turn play them (the offload
+    """As harness.conversation.play_waves and play_turn play them (the offload
     tier's caches reset before every turn, each turn's recompute on the decoder);
     concurrently, every conversation's turn admitted at once and each recompute as
     soon as its turn finished."""

@@ -52,7 +52,7 @@ def play(run: harness.WorkloadRun) -> harness.CaseRecord:
     binding, deployment, mode = run.binding, run.deployment, run.mode
     with run.session() as case:
         budget = run.needs_in_process().budget(deployment, mode)
-        with case.serve(binding, deployment, mode, run.suite.pool) as p:
+        with case.serve(run) as p:
             servers, model, units = p.servers, binding.model, p.units
             caching, pd = servers[0], len(servers) > 1
             seen = abort_retry_length(units, budget)

@@ -9,9 +9,7 @@ from tests.models.hybrid_prefix_cache import harness
 def play(run: harness.WorkloadRun) -> harness.CaseRecord:
     """The sweep's "exact" shape, with the turns its matrix gives it."""
     __tracebackhide__ = True
-    cell = (run.suite, run.case_id, run.binding, run.deployment, run.mode)
-    turns = {"num_turns": run.num_turns, "resend": run.resend}
-    return harness.run_case(*cell, shapes=("exact",), known=run.known, **turns)
+    return harness.run_case(run, shapes=("exact",))
 
 
 WORKLOAD = harness.Workload(

@@ -6,7 +6,7 @@ KV cache group still holds, and the counters agree (vLLM #46453)."""
 import functools
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tests.models.hybrid_prefix_cache import harness
 from tests.models.hybrid_prefix_cache.harness import Units, client, conversation, rules
@@ -71,12 +71,12 @@ def play(run: harness.WorkloadRun) -> harness.CaseRecord:
     pool), then the second turn: it must hit what vLLM's scheduler hit in the
     replay, never more than the least every group still held."""
     __tracebackhide__ = True
-    case_id, binding, mode = run.case_id, run.binding, run.mode
+    case_id, binding = run.case_id, run.binding
     # Sized in the session: a sizing that fails leaves its record too.
     with run.session() as case:
         args, replayed = plan(run)
         served = harness.with_serve_args(run.deployment, args)
-        with case.serve(binding, served, mode, run.suite.pool) as p:
+        with case.serve(replace(run, deployment=served)) as p:
             send = functools.partial(client.send_checked, p.servers, binding.model)
             if replayed.held == replayed.held_before:
                 case.add(

@@ -35,10 +35,7 @@ def decoder_problems(resend: Turn, p: conversation.Play) -> list[str]:
 
 def play(run: harness.WorkloadRun) -> harness.CaseRecord:
     __tracebackhide__ = True
-    cell = (run.suite, run.case_id, run.binding, run.deployment, run.mode)
-    return harness.run_resend(
-        *cell, resend_length, WORKLOAD.failure, decoder_problems, run.known
-    )
+    return harness.run_resend(run, resend_length, WORKLOAD.failure, decoder_problems)
 
 
 WORKLOAD = harness.Workload(

@@ -7,7 +7,7 @@ prompt's tokens only), so that its follow-up hits the rule's checkpoint."""
 import functools
 import random
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tests.models.hybrid_prefix_cache import harness
 from tests.models.hybrid_prefix_cache.harness import Units, client, conversation, rules
@@ -158,7 +158,7 @@ def play(run: harness.WorkloadRun) -> harness.CaseRecord:
             f"{replayed.last_checkpoint}): {cuts}"
         )
         case.add(notice=f"{WORKLOAD.name}: {described}")
-        with case.serve(binding, served, run.mode, run.suite.pool) as p:
+        with case.serve(replace(run, deployment=served)) as p:
             server, rng = p.servers[0], random.Random(run.case_id)
             tokens, requests = binding.token_ids, range(replayed.requests)
             salts = [conversation.fresh_salt("preempted") for _ in requests]

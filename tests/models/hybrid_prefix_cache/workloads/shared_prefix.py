@@ -34,10 +34,7 @@ def play(run: harness.WorkloadRun) -> harness.CaseRecord:
     """The siblings of one salt, each played as a turn (hit, then its
     recompute): from the third on each hits the junction's checkpoint."""
     __tracebackhide__ = True
-    with (
-        run.session() as case,
-        case.serve(run.binding, run.deployment, run.mode, run.suite.pool) as p,
-    ):
+    with run.session() as case, case.serve(run) as p:
         rng, tokens = random.Random(run.case_id), run.binding.token_ids
         shared = conversation.random_tokens(rng, tokens, shared_prefix_length(p.units))
         junction = junction_checkpoint(len(shared), p.units, run.mode.drops_unit)

@@ -6,6 +6,7 @@ budget's chunks wrote (vLLM #51113 named a block by a state written short of it)
 
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 
 from tests.models.hybrid_prefix_cache import harness
 from tests.models.hybrid_prefix_cache.harness import compare, conversation, paths, rules
@@ -123,18 +124,18 @@ def play(run: harness.WorkloadRun) -> harness.CaseRecord:
     """Held turn by turn to the cell's default-budget case (played here first if the
     session has none), then a branch off the first prompt."""
     __tracebackhide__ = True
-    suite, case_id, binding = run.suite, run.case_id, run.binding
-    deployment, mode = run.deployment, run.mode
+    case_id, binding, mode = run.case_id, run.binding, run.mode
     default_id = case_id.removesuffix(f"-{WORKLOAD.name}")
-    played = [r for r in suite.records if r.case_id == default_id and r.turns]
+    played = [r for r in run.suite.records if r.case_id == default_id and r.turns]
     if played:
         default = played[-1]
     else:
-        default = harness.run_case(suite, default_id, binding, deployment, mode)
+        cell = (run.suite, default_id, binding, run.deployment, mode)
+        default = harness.run_case(harness.WorkloadRun(*cell))
     assert default.units is not None
     budget = served_budget(default.units)
-    served = harness.with_serve_args(deployment, small_budget_args(default.units))
-    with run.session() as case, case.serve(binding, served, mode, suite.pool) as p:
+    served = harness.with_serve_args(run.deployment, small_budget_args(default.units))
+    with run.session() as case, case.serve(replace(run, deployment=served)) as p:
         turns = case.turns
         if not default.ok:
             case.add(
@@ -149,7 +150,9 @@ def play(run: harness.WorkloadRun) -> harness.CaseRecord:
         # The default case's seed: the same prompts, as long as each turn's
         # output is the same.
         reference = conversation.reference_conversation(p.units, default_id)
-        conversation.run_conversations(p, [reference], turns)
+        for _ in conversation.play_waves(p, [reference], turns):
+            pass
+        conversation.finish_turns(p, turns)
         noise, found = budget_problems(
             turns, default.turns, budget, binding.logprob_atol, binding.chunk_invariant
         )
