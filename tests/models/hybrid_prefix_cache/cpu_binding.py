@@ -93,7 +93,7 @@ CORES = len(os.sched_getaffinity(0))
 # model_executor/layers/utils.py check_cpu_sgl_kernel), where one thread left a batched
 # hit 3e-4 from its recompute alone (Sapphire Rapids), so batched hits keep their twins'
 # noise (findings/batch-noise-cpu.md). Every CPU also plays batched restores at default
-# threads, prefill steps held to the same prompts alone (harness/restores.py).
+# threads, prefill steps held to the same prompts alone (paths.check_prefill_steps).
 BATCH_INVARIANT_ENV = (
     None if torch.cpu._is_amx_tile_supported() else {"OMP_NUM_THREADS": "1"}
 )

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Unit tests of the batched restores' judgement (harness/restores.py): each
+"""Unit tests of the batched restores' judgement (paths.check_prefill_steps): each
 batched hit's prefill step against the same prompt's alone, on the same
 checkpoint, exactly, with turns replayed from measured runs. Pure: no server."""
 
@@ -14,7 +14,7 @@ from tests.models.hybrid_prefix_cache.harness import (
 )
 from tests.models.hybrid_prefix_cache.harness.compare import Turn, check_turn, take_each
 from tests.models.hybrid_prefix_cache.harness.conversation import Play
-from tests.models.hybrid_prefix_cache.harness.restores import (
+from tests.models.hybrid_prefix_cache.harness.paths import (
     ALONE,
     check_prefill_steps,
 )

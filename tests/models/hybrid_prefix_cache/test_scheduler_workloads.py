@@ -10,7 +10,7 @@ the property its workload holds."""
 import pytest
 
 from tests.models.hybrid_prefix_cache import harness
-from tests.models.hybrid_prefix_cache.harness.workload import Workload
+from tests.models.hybrid_prefix_cache.harness.cases import Workload
 from tests.models.hybrid_prefix_cache.replay_cells import CPU
 from tests.models.hybrid_prefix_cache.scheduler.cell import Replay, ReplayCell
 from tests.models.hybrid_prefix_cache.scheduler.replays import catalog

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Unit tests of the P/D transfer's exact check (harness.transfer): the
+"""Unit tests of the P/D transfer's exact check (harness.paths check_transfer): the
 relay through the pair against the decoder alone one token on, and the
 decoder alone against the prefiller alone, each bit for bit, with messages
 that name the transfer or the decoder. Pure: no server."""
@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 
 from tests.models.hybrid_prefix_cache.harness.compare import Sample, Turn, take_each
-from tests.models.hybrid_prefix_cache.harness.paths import check_paths
-from tests.models.hybrid_prefix_cache.harness.transfer import (
+from tests.models.hybrid_prefix_cache.harness.paths import (
+    check_paths,
     check_transfer,
     relay_prompt,
 )

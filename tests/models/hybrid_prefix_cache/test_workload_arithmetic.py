@@ -14,12 +14,12 @@ from tests.models.hybrid_prefix_cache.harness import (
     Deployment,
     Instance,
 )
+from tests.models.hybrid_prefix_cache.harness.cases import Workload
 from tests.models.hybrid_prefix_cache.harness.compare import (
     Sample,
     Turn,
     take_each,
 )
-from tests.models.hybrid_prefix_cache.harness.workload import Workload
 from tests.models.hybrid_prefix_cache.scheduler.preempt import (
     POOL_REFUSALS,
     Preemption,

@@ -1,11 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """What a hybrid-model prefix-cache binding imports. Modules import only earlier ones:
-problems, rules, deployment, compare, paths, transfer, reconcile, known, clock, servers,
-client, window, conversation, records, session, cases, workload, matrix; plugin."""
+problems, rules, deployment, compare, paths, reconcile, known, clock, servers, client,
+window, conversation, records, session, cases, matrix; plugin."""
 
-from tests.models.hybrid_prefix_cache.harness.cases import InProcess as InProcess
 from tests.models.hybrid_prefix_cache.harness.cases import Suite as Suite
+from tests.models.hybrid_prefix_cache.harness.cases import Workload as Workload
 from tests.models.hybrid_prefix_cache.harness.cases import WorkloadRun as WorkloadRun
 from tests.models.hybrid_prefix_cache.harness.cases import run_case as run_case
 from tests.models.hybrid_prefix_cache.harness.cases import run_resend as run_resend
@@ -40,7 +40,6 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (
 from tests.models.hybrid_prefix_cache.harness.matrix import Matrix as Matrix
 from tests.models.hybrid_prefix_cache.harness.matrix import case_seconds as case_seconds
 from tests.models.hybrid_prefix_cache.harness.matrix import servers_mark as servers_mark
-from tests.models.hybrid_prefix_cache.harness.problems import Finding as Finding
 from tests.models.hybrid_prefix_cache.harness.problems import finding as finding
 from tests.models.hybrid_prefix_cache.harness.records import CaseRecord as CaseRecord
 from tests.models.hybrid_prefix_cache.harness.rules import Drafting as Drafting
@@ -50,4 +49,3 @@ from tests.models.hybrid_prefix_cache.harness.servers import ServerPool as Serve
 from tests.models.hybrid_prefix_cache.harness.servers import (
     server_specs as server_specs,
 )
-from tests.models.hybrid_prefix_cache.harness.workload import Workload as Workload

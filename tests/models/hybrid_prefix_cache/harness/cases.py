@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Cases: a growing conversation (:func:`run_case`) or a resend (:func:`run_resend`),
-each in a session on its servers judged by its known failures (harness/session.py)."""
+each in a session on its servers judged by its known failures (harness/session.py);
+what a workload is (:class:`Workload`) and what its play gets (:class:`WorkloadRun`)."""
 
 import random
 from collections.abc import Callable, Sequence
@@ -78,6 +79,22 @@ class WorkloadRun:
                 f"and this tier builds no engine in-process"
             )
         return self.in_process
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A workload of the ``workloads`` package: its id suffix, the property it holds,
+    its vLLM rule, and its ``play`` on real servers (its replay: scheduler.replays)."""
+
+    name: str
+    holds: str
+    rule: str
+    play: Callable[[WorkloadRun], CaseRecord] | None = None
+    own_servers: bool = False  # started after the cell's other servers
+    turns: int | None = None  # its requests where it plays no cell turns (Case.turns)
+
+    def failure(self, detail: str) -> str:
+        return f"{self.name}: {self.holds} ({detail})"
 
 
 def run_case(

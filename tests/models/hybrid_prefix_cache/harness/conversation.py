@@ -10,7 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from random import Random
 
-import tests.models.hybrid_prefix_cache.harness.transfer as transfer
 from tests.models.hybrid_prefix_cache.harness import client, compare, paths, rules
 from tests.models.hybrid_prefix_cache.harness.clock import phase
 from tests.models.hybrid_prefix_cache.harness.compare import Turn
@@ -21,7 +20,6 @@ from tests.models.hybrid_prefix_cache.harness.deployment import (
     Units,
 )
 from tests.models.hybrid_prefix_cache.harness.reconcile import EXTERNAL_HITS
-from tests.models.hybrid_prefix_cache.harness.restores import check_prefill_steps
 from tests.models.hybrid_prefix_cache.harness.servers import Server
 
 
@@ -78,7 +76,7 @@ class Play:
     """What a case needs to play turns. ``batched`` turns are held to their recompute
     alone where the server is batch-invariant, else to batched twins within ``noise``;
     with ``prefill_step`` (the servers' own threads), the first turn goes alone and
-    later hits are held on their prefill step (harness/restores.py)."""
+    later hits are held on their prefill step (harness/paths.py check_prefill_steps)."""
 
     servers: Sequence[Server]
     binding: Binding
@@ -163,7 +161,7 @@ def recompute_turn(play: Play, turn: Turn) -> None:
     turn.recompute = client.complete(decoder, model, prompt, fresh_salt("recompute"))
     same = play.binding.exact_across_instances and play.deployment.same_instances
     if relays := same and compares:
-        relayed = transfer.relay_prompt(turn)
+        relayed = paths.relay_prompt(turn)
         turn.relay = client.send(servers, model, relayed, fresh_salt("relay"))
         turn.prefiller_alone = client.complete(
             servers[0], model, prompt, fresh_salt("prefiller")
@@ -176,7 +174,7 @@ def recompute_turn(play: Play, turn: Turn) -> None:
     turn.seconds += time.monotonic() - start
     atol, drops_unit = play.logprob_atol, play.drafting.drops_unit
     found = compare.check_turn(turn, play.units, atol, compares, drops_unit)
-    turn.take(found + transfer.check_transfer(turn, atol))
+    turn.take(found + paths.check_transfer(turn, atol))
 
 
 def play_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
@@ -189,7 +187,7 @@ def finish_turns(play: Play, turns: Sequence[Turn]) -> None:
     the decoder alone, then hold cross-path comparisons to it."""
     compares = play.deployment.compares_logprobs
     if play.prefill_step:
-        compare.take_each(turns, check_prefill_steps(turns, compares))
+        compare.take_each(turns, paths.check_prefill_steps(turns, compares))
         return
     decoder, model = play.servers[-1], play.binding.model
     for turn, shift in paths.control_shifts(turns):
@@ -254,7 +252,7 @@ def play_waves(
                 play_turn(wave, *args)
         if play.prefill_step:
             # under a salt whose earlier turns went alone too: the hit's counterpart
-            # on its checkpoint and chunks (harness/restores.py)
+            # on its checkpoint and chunks (harness/paths.py check_prefill_steps)
             for (turn, prompt, _), salt in zip(batch, alone_salts):
                 start = time.monotonic()
                 turn.alone = client.send(play.servers, play.binding.model, prompt, salt)

@@ -9,8 +9,12 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from tests.models.hybrid_prefix_cache.harness import deployment, rules, workload
-from tests.models.hybrid_prefix_cache.harness.cases import WorkloadRun, run_case
+from tests.models.hybrid_prefix_cache.harness import deployment, rules
+from tests.models.hybrid_prefix_cache.harness.cases import (
+    Workload,
+    WorkloadRun,
+    run_case,
+)
 from tests.models.hybrid_prefix_cache.harness.conversation import SHAPES
 from tests.models.hybrid_prefix_cache.harness.deployment import Deployment, Mode, Units
 from tests.models.hybrid_prefix_cache.harness.known import judge_confirmed_elsewhere
@@ -78,7 +82,8 @@ class Case:
     mode: str
     shape: str | None = None  # a sweep shape, or None for the reference
     concurrent: bool = False  # every shape of the cell at once
-    restores: bool = False  # likewise at the servers' threads (harness/restores.py)
+    # likewise at the servers' threads (paths.check_prefill_steps)
+    restores: bool = False
     workload: str | None = None  # a workload of the matrix's catalog
     # Its growing turns, and whether a resend follows them (plan_turns).
     num_turns: int = rules.NUM_TURNS
@@ -123,7 +128,7 @@ class Matrix:
     workloads: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     workload_turns: Mapping[str, int] = field(default_factory=dict)
     # Every workload a matrix may name, by name (the workloads package).
-    catalog: Mapping[str, workload.Workload] = field(default_factory=dict)
+    catalog: Mapping[str, Workload] = field(default_factory=dict)
     batch_servers: bool = False
     cases: dict[str, Case] = field(init=False, repr=False)
 

@@ -1,13 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""A case's comparisons across two numerical paths, held to the path noise its
-cold controls measure (:func:`check_paths`). Pure."""
+"""A case's comparisons across two numerical paths: held to the path noise its cold
+controls measure (:func:`check_paths`), or exactly where both compute alike: the P/D
+transfer (:func:`check_transfer`), batched restores (:func:`check_prefill_steps`)."""
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tests.models.hybrid_prefix_cache.harness import compare
 from tests.models.hybrid_prefix_cache.harness.compare import Found, Sample, Turn
+from tests.models.hybrid_prefix_cache.harness.problems import Problem
 
 # Cross-path comparisons (GPU and Kimi bindings only) are held to this many
 # times the cold controls' largest gap: two bf16 binades. Over at least
@@ -140,3 +142,99 @@ def _across_paths(turn: Turn, noise: PathNoise, tolerance: float | None) -> Foun
                 f"the transferred state is wrong"
             )
     return found + Found(tuple(problems))
+
+
+def relay_prompt(turn: Turn) -> list[int]:
+    assert turn.recompute is not None
+    return [*turn.prompt, *turn.recompute.token_ids[: turn.backoff]]
+
+
+def check_transfer(turn: Turn, logprob_atol: float | None) -> Found:
+    """The P/D transfer, exact where both instances are one configuration: the relay
+    held to the recompute one token on (only where its state came from differs), and
+    the recompute to the prefiller alone (which runs no decoder code)."""
+    rec, name, found = turn.recompute, turn.name, Found()
+    problems: list[str] = []
+    assert rec is not None
+    if turn.prefiller_alone is not None:
+        names = ("decoder alone", "prefiller alone")
+        why, seen = compare.compare(
+            name, rec, turn.prefiller_alone, names, logprob_atol, True
+        )
+        found += seen
+        if why:
+            problems.append(
+                f"{name}: the decoder alone differs from the prefiller serving the "
+                f"same request whole, one configuration, {why}: the decoder "
+                f"computes wrongly"
+            )
+    if turn.relay is not None:
+        later = rec.shifted(turn.backoff)
+        relay = turn.relay.head(len(later.token_ids))
+        names = ("transfer relay", "decoder alone one token on")
+        why, seen = compare.compare(name, relay, later, names, logprob_atol, True)
+        found += seen
+        if why:
+            problems.append(
+                f"{name}: the decoder, decoding the recompute's first token from "
+                f"the prefiller's transferred KV and state, differs from the "
+                f"decoder alone, which computed the same prompt in the same "
+                f"chunks, {why}: the transferred state is wrong"
+            )
+    return found + Found(tuple(problems))
+
+
+ALONE = "same prompt alone (prefill step)"
+
+# Batched restores at the servers' own thread count (Play.prefill_step). Both resume
+# from one checkpoint and compute the same tokens in one step: only the batch differs
+# (a recompute chunks otherwise: findings/batch-noise-cpu.md). vLLM's CPU kernels
+# compute prefill rows alike in any batch: attention splits the KV only for one-token
+# query tiles (csrc/cpu/cpu_attn_impl.hpp, split_kv_q_token_num_threshold), the GEMM
+# takes brgemm above 4 rows (csrc/cpu/sgl-kernels/gemm.h, can_use_brgemm). Later
+# tokens' decode kernels differ batched: the concurrent cases judge those.
+
+
+def check_prefill_steps(
+    turns: Sequence[Turn], compare_logprobs: bool = True
+) -> list[Found]:
+    """Each batched hit's prefill step held exactly to its alone counterpart's
+    (``Turn.alone``); a case where no hit could be judged so fails."""
+    found = [Found() for _ in turns]
+    batched = [
+        i for i, t in enumerate(turns) if t.prefill_step and t.batched and t.restored
+    ]
+    if not compare_logprobs or not batched:
+        return found
+    judged = 0
+    for i in batched:
+        turn, alone = turns[i], turns[i].alone
+        assert turn.output is not None
+        if alone is None or alone.cached_tokens != turn.restored:
+            hit = None if alone is None else alone.cached_tokens
+            notice = (
+                f"{turn.name}: alone, the same prompt hit {hit} tokens, batched "
+                f"{turn.restored}: not held on its prefill step"
+            )
+            found[i] += Found(notices=(notice,))
+            continue
+        judged += 1
+        # the prefill step computes the first token
+        hit, names = turn.output.head(1), ("hit", ALONE)
+        why, found[i] = compare.compare(turn.name, hit, alone.head(1), names, 0.0, True)
+        if why:
+            text = (
+                f"{turn.name}: the batched hit, {turn.restored} tokens restored "
+                f"from the prefix cache, differs in its prefill step from the "
+                f"same prompt alone on the same checkpoint, {why}: the state "
+                f"restored in a shared batch, or the prefill from it, is wrong"
+            )
+            numbers = dict(restored=turn.restored, control=ALONE)
+            found[i] += Found((Problem(text, "hit-apart", turn.name, **numbers),))
+    if not judged:
+        no_hit = (
+            f"{turns[batched[-1]].name}: no batched hit hit what its prompt alone "
+            f"did: the case judged no restore in a batch"
+        )
+        found[batched[-1]] += Found((no_hit,))
+    return found

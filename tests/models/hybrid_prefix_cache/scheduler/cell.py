@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from tests.models.hybrid_prefix_cache import harness
+from tests.models.hybrid_prefix_cache.harness.cases import Workload
 from tests.models.hybrid_prefix_cache.harness.deployment import Binding
-from tests.models.hybrid_prefix_cache.harness.workload import Workload
 from tests.models.hybrid_prefix_cache.scheduler import judge, play
 from tests.models.hybrid_prefix_cache.scheduler.engine import Engine
 from tests.models.hybrid_prefix_cache.scheduler.servers import ReplayServer, servers_for

@@ -8,7 +8,7 @@ import importlib
 import pkgutil
 from collections.abc import Callable, Iterable
 
-from tests.models.hybrid_prefix_cache.harness.workload import Workload
+from tests.models.hybrid_prefix_cache.harness.cases import Workload
 
 
 def package_catalog(

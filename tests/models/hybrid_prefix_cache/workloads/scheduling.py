@@ -3,7 +3,7 @@
 """Conversations that join and leave between steps, under asynchronous and
 synchronous scheduling (the scheduler tier only)."""
 
-from tests.models.hybrid_prefix_cache.harness.workload import Workload
+from tests.models.hybrid_prefix_cache.harness.cases import Workload
 
 ASYNC = Workload(
     "async",
