@@ -298,34 +298,27 @@ if [ "$job" = benchmark ] || [ "$job" = reference ]; then
     exec env PYTHONPATH="$CHECKOUT:$REPO/dev/diagnose${PYTHONPATH:+:$PYTHONPATH}" \
         python -P "$REPO/dev/$script" "$@"
 fi
+# Tests of dev/ run against the checkout of the working folder, rooted at this
+# repository so that their ids name their files; a selection that leaves none
+# of them (pytest's 5) is no failure. Exits with pytest's status.
+run_rooted() {  # run_rooted LOG TESTS... [pytest args...]
+    local log=$1 status=0
+    shift
+    python -m pytest -v -s -rA -c pyproject.toml --rootdir "$REPO" -p no:cacheprovider \
+        "$@" 2>&1 | tee "$log" || status=$?
+    [ "$status" -ne 5 ] || status=0
+    return "$status"
+}
+# The CI checks.
+run_ci_checks() { run_rooted "$1" "${KIMI_CI_TESTS[@]}" "${@:2}"; }
+# What only diagnoses (the reproducer, the model's state sensitivity, the
+# float32 reference) lives with its tests in dev/diagnose, off the in-tree
+# product; they run against the pinned release's checkout only.
+run_diagnose_tests() { run_rooted "$1" "$REPO/dev/diagnose" "${@:2}"; }
+
 # The followed release's Python, from its own checkout with our files laid
 # over it (its compiled code stays the pinned wheel's): the tests that need
 # no compiled code. Its output is kept in LOG; exits with pytest's status.
-# The CI checks against the checkout of the working folder, rooted at this
-# repository so that their ids name their files; a selection that leaves none
-# of them (pytest's 5) is no failure. Exits with pytest's status.
-run_ci_checks() {  # run_ci_checks LOG [pytest args...]
-    local log=$1 status=0
-    shift
-    python -m pytest -v -s -rA -c pyproject.toml --rootdir "$REPO" -p no:cacheprovider \
-        "${KIMI_CI_TESTS[@]}" "$@" 2>&1 | tee "$log" || status=$?
-    [ "$status" -ne 5 ] || status=0
-    return "$status"
-}
-
-# What only diagnoses (the reproducer, the model's state sensitivity, the
-# float32 reference) and its tests live in dev/diagnose, off the in-tree
-# product; its tests run against the pinned release's checkout, as the CI
-# checks do. Exits with pytest's status.
-run_diagnose_tests() {  # run_diagnose_tests LOG [pytest args...]
-    local log=$1 status=0
-    shift
-    python -m pytest -v -s -rA -c pyproject.toml --rootdir "$REPO" -p no:cacheprovider \
-        "$REPO/dev/diagnose" "$@" 2>&1 | tee "$log" || status=$?
-    [ "$status" -ne 5 ] || status=0
-    return "$status"
-}
-
 run_followed() {  # run_followed LOG [pytest args...]
     local log=$1 followed_version status=0
     shift
