@@ -43,8 +43,7 @@ PREFILL_KV_TRANSFER_PARAMS = {
 
 @clock.phase("reset")
 def reset_prefix_caches(servers: Sequence[Server]) -> None:
-    """Drop every server's device prefix cache, keeping the offloaded one,
-    so that the next hit must come from the CPU tier."""
+    """Drop the device prefix caches, not the offloaded one: next hits come from it."""
     for server in servers:
         url = server.url_for("reset_prefix_cache")
         for _ in range(RESET_ATTEMPTS):
@@ -63,7 +62,6 @@ def reset_prefix_caches(servers: Sequence[Server]) -> None:
 
 
 def read_metrics(server: Server) -> dict[str, list]:
-    """The server's Prometheus samples, by sample name."""
     with clock.phase("metrics"):
         response = requests.get(server.url_for("metrics"), timeout=CONTROL_TIMEOUT)
     response.raise_for_status()
@@ -124,12 +122,11 @@ def give_up(
     ignore_eos: bool = False,
     priority: int = 0,
 ) -> Sample | None:
-    """A greedy completion of ``prompt`` (token ids) under ``salt`` (``ignore_eos``:
-    of ``max_tokens`` tokens whatever it samples; ``priority``: for a server of
-    ``--scheduling-policy priority``), booked on ``server`` for its case's counter
-    window; None where the client gave up after ``after`` seconds (None: never) by
-    closing the connection, on which vLLM's API server aborts the request
-    (entrypoints/serve/utils/api_utils.py with_cancellation)."""
+    """A greedy completion of ``prompt`` (token ids) under ``salt`` (``ignore_eos``: of
+    ``max_tokens`` tokens whatever it samples; ``priority``: for ``--scheduling-policy
+    priority``), booked on ``server`` for its case's counter window; None where the
+    client gave up after ``after`` seconds (None: never) by closing the connection, on
+    which vLLM aborts it (entrypoints/serve/utils/api_utils.py with_cancellation)."""
     body = {
         "model": model,
         "prompt": list(prompt),
@@ -190,8 +187,7 @@ def give_up(
 def poll_counters(
     server: Server, name: str, done: Callable[[float], bool]
 ) -> dict[str, float | None]:
-    """The counters once ``done`` holds for counter ``name`` (None: not exported)
-    or the settle time ended."""
+    """The counters once ``name`` meets ``done`` or is not exported, or time is up."""
     deadline = time.monotonic() + METRICS_SETTLE_SECONDS
     with clock.phase("metrics"):
         while True:
@@ -205,23 +201,16 @@ def poll_counters(
 def send(
     servers: Sequence[Server], model: str, prompt: Sequence[int], salt: str
 ) -> Sample:
-    """One turn's request through the deployment. Under P/D (``servers`` =
-    prefiller, decoder) the prefiller computes the prompt and keeps its KV, which
-    the decoder pulls over the KV connector; the hit is the prefiller's."""
-    return _send(servers, model, prompt, salt, check=False)[0]
+    """One turn's request through the deployment. Under P/D (prefiller, decoder) the
+    decoder pulls the prefiller's KV over the connector; the hit is the prefiller's."""
+    return send_checked(servers, model, prompt, salt, check=False)[0]
 
 
 def send_checked(
-    servers: Sequence[Server], model: str, prompt: Sequence[int], salt: str
+    servers: Sequence[Server], model: str, prompt: Sequence[int], salt: str, check=True
 ) -> tuple[Sample, list[str]]:
-    """:func:`send`, one request at a time, and its problems: under P/D the decoder
-    must count a NIXL transfer and report the prefiller's hit as its cached prefix."""
-    return _send(servers, model, prompt, salt, check=True)
-
-
-def _send(
-    servers: Sequence[Server], model: str, prompt: Sequence[int], salt: str, check: bool
-) -> tuple[Sample, list[str]]:
+    """:func:`send`, one request at a time, and (``check``) its problems: under P/D the
+    decoder must count a NIXL transfer and report the prefiller's hit as cached."""
     if len(servers) == 1:
         return complete(servers[0], model, prompt, salt), []
     prefiller, decoder = servers
@@ -255,10 +244,8 @@ def _send(
 def _decoder_leg(
     decoder: Server, before: dict[str, float | None], prompt_len: int, prefill_hit: int
 ) -> tuple[list[str], int | None]:
-    """The decoder's own hit on the decode leg just answered, and how its counters
-    break the rule of its role (:func:`reconcile.decoder_problems`). The hit (at
-    admission) and a transfer (once its KV arrived) precede the response but are
-    exported after the engine step, so they are polled for."""
+    """The decoder's own hit on the decode leg and its role's faults
+    (:func:`reconcile.decoder_problems`), polled for: exported after the engine step."""
     hits, transfers = reconcile.PREFIX_HITS, reconcile.NIXL_TRANSFERS
     if before.get(transfers) is None or before.get(hits) is None:
         return [f"the decoder exports no {transfers} or {hits}"], None

@@ -12,8 +12,7 @@ PHASES = ("start", "stop", "requests", "metrics", "reset")
 
 
 class PhaseClock:
-    """Seconds per phase of one case: the outermost phase only; the case's
-    threads record nothing (their batch is timed whole)."""
+    """Seconds per outermost phase of one case; its threads' batch is timed whole."""
 
     def __init__(self) -> None:
         self.seconds = dict.fromkeys(PHASES, 0.0)

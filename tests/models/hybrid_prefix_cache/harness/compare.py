@@ -29,7 +29,6 @@ class Sample:
     decoder_hit: int | None = None
 
     def shifted(self, tokens: int) -> "Sample":
-        """This sample without its first ``tokens`` generated tokens."""
         return self._sliced(slice(tokens, None))
 
     def head(self, tokens: int) -> "Sample":
@@ -42,8 +41,7 @@ class Sample:
 
 @dataclass(frozen=True)
 class Comparison:
-    """Two samples compared: their :func:`logprob_gap`, the ``tolerance`` held
-    to (None: check_logprobs_close), and whether on one path (``same_path``)."""
+    """Two samples' :func:`logprob_gap`; ``tolerance`` None: check_logprobs_close."""
 
     what: str
     gap: float
@@ -62,8 +60,7 @@ class Comparison:
 
 @dataclass(frozen=True)
 class Found:
-    """What a check found on a turn, returned for the turn to take
-    (:meth:`Turn.take`): its problems, notices and the comparisons it made."""
+    """What a check found on a turn, for the turn to take (:meth:`Turn.take`)."""
 
     problems: tuple[str, ...] = ()
     notices: tuple[str, ...] = ()
@@ -104,8 +101,7 @@ class Turn:
     # same prompt's alone, under a salt played alone (harness/restores.py)
     prefill_step: bool = False
     alone: Sample | None = None
-    # resumed (or its salt did) inside a block, where only block ends are
-    # exact (Binding.exact_on_blocks): held to measured noise
+    # resumed (or its salt did) mid-block, not exact there (Binding.exact_on_blocks)
     mid_block: bool = False
     seconds: float = 0.0
     problems: list[str] = field(default_factory=list)
@@ -128,8 +124,7 @@ class Turn:
         self.comparisons += found.comparisons
 
     def played(self) -> "Turn":
-        """The turn as its record keeps it: a copy whose fields and lists no
-        check can change any more (a problem added later is refused)."""
+        """The record's copy, final: a problem added later is refused."""
         lists = ("more_controls", "problems", "notices", "comparisons", "prompt")
         return replace(self, done=True, **{k: tuple(getattr(self, k)) for k in lists})
 
@@ -169,9 +164,8 @@ def first_divergence(
     if i is not None:
         return (
             f"first diverging token at index {i}: the {names[0]} chose "
-            f"{hit.token_ids[i]} (top-{NUM_LOGPROBS}: {_top(hit, i)}), the "
-            f"{names[1]} chose {recompute.token_ids[i]} "
-            f"(top-{NUM_LOGPROBS}: {_top(recompute, i)})"
+            f"{hit.token_ids[i]} (top-{NUM_LOGPROBS}: {_top(hit, i)}), the {names[1]} "
+            f"chose {recompute.token_ids[i]} (top-{NUM_LOGPROBS}: {_top(recompute, i)})"
         )
     if len(hit.token_ids) != len(recompute.token_ids):
         return (
@@ -245,8 +239,7 @@ def check_turn(
     compare_logprobs: bool = True,
     drops_unit: bool = False,
 ) -> Found:
-    """The turn's hit against the rule, its salts, and its output against the
-    request on its path; cross-path ones wait for the noise (paths.check_paths)."""
+    """The turn's hit by the rule, its salts, its output on its path (else paths.py)."""
     out, rec, name = turn.output, turn.recompute, turn.name
     assert out is not None and rec is not None
     cached = out.cached_tokens
@@ -319,10 +312,9 @@ def check_turn(
         return found
     if turn.invariant and cached:
         problem = (
-            f"{name}: the batched hit, {cached} tokens restored from the prefix "
-            f"cache, differs from its recompute alone on a server that computes "
-            f"each request as alone, {why}: the state restored in a shared batch "
-            f"is wrong"
+            f"{name}: the batched hit, {cached} tokens restored from the prefix cache, "
+            f"differs from its recompute alone on a server that computes each request "
+            f"as alone, {why}: the state restored in a shared batch is wrong"
         )
     elif turn.invariant:
         problem = (
@@ -333,9 +325,8 @@ def check_turn(
         )
     elif cached:
         text = (
-            f"{name}: the hit, {cached} tokens restored from the prefix cache, "
-            f"differs from its {other} on the same path, {why}: the restored "
-            f"state is wrong"
+            f"{name}: the hit, {cached} tokens restored from the prefix cache, differs "
+            f"from its {other} on the same path, {why}: the restored state is wrong"
         )
         problem = Problem(text, "hit-apart", name, restored=cached, control=other)
     else:

@@ -107,8 +107,7 @@ class Instance:
 
 @dataclass(frozen=True)
 class Deployment:
-    """A decoder, optionally fed by a prefiller. ``offload``: device caches
-    are reset before every turn, so hits come from the CPU offload tier."""
+    """A decoder, optionally fed by a prefiller; ``offload``: hits from the CPU tier."""
 
     decode: Instance = Instance()
     prefill: Instance | None = None
@@ -163,12 +162,11 @@ def device_ranges(deployment: Deployment) -> list[range]:
 @dataclass(frozen=True)
 class Binding:
     """What a tier binds the harness to. ``logprob_atol``: a hit against a cold request
-    on its numerical path (0.0 bit-exact; None: check_logprobs_close only); cross-path
-    comparisons take measured noise (paths.check_paths). ``exact_on_blocks``: only hits
-    on a multiple of ``exact_grid`` (None: the block) share the recompute's path.
-    ``exact_across_instances``: one config computes alike in two processes (the CPU
-    and GPU tiers; not Kimi-K3's). ``batch_invariant_env``: computes each request as
-    if alone (None: batched twins, measured noise)."""
+    on its path (0.0 bit-exact; None: check_logprobs_close only); across paths, measured
+    noise (paths.check_paths). ``exact_on_blocks``: only hits on a multiple of
+    ``exact_grid`` (None: a block) share the recompute's path.
+    ``exact_across_instances``: a config computes alike in two processes (not Kimi-K3).
+    ``batch_invariant_env``: as if alone (None: batched twins)."""
 
     model: str
     base_args: tuple[str, ...]
@@ -191,7 +189,6 @@ class Binding:
 
 
 def server_args(binding: Binding, instance: Instance, mode: Mode) -> list[str]:
-    """The ``vllm serve`` arguments (after the model) of one instance."""
     return [*binding.base_args, *instance.args(), *mode.args(instance.prefix_caching)]
 
 
@@ -218,8 +215,7 @@ class Units:
 
 @dataclass(frozen=True)
 class Known:
-    """A cell that cannot pass and what its failure must show: ``evidence``, the text
-    vLLM prints (a crash, a refusal), or ``found``, what a check of the record finds."""
+    """A cell that cannot pass: ``evidence``, vLLM's text, or ``found``, in a record."""
 
     kind: str  # "xfail" (a vLLM bug; strict) or "unsupported" (refused: skip)
     reason: str
@@ -247,7 +243,6 @@ class Known:
 
     @property
     def expects(self) -> str:
-        """What it must show, for messages."""
         return repr(self.evidence) if self.found is None else str(self.found)
 
     def shown(self, text: str, problems: Sequence[str] = ()) -> bool:

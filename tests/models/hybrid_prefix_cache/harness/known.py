@@ -1,8 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The one judge of known failures, for every tier: a listed failure must show
-its evidence (else the table is stale), and a listed pass is a strict XPASS.
-A judgment is decided first and enacted after the case's record is written."""
+"""The one judge of known failures: a listed failure must show its evidence (else the
+table is stale), a listed pass is a strict XPASS; enacted once the record is saved."""
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -60,8 +59,7 @@ def judge_pass(case_id: str, entry: Known) -> Judgment:
 
 
 def evidence_shown(entry: Known | None, problems: list[str]) -> bool:
-    """Where a known bug shows in a turn's problems (``found``), whether
-    ``problems`` show it: later turns would change nothing."""
+    """Whether ``problems`` show the bug's ``found``: later turns change nothing."""
     if entry is None or entry.kind != "xfail" or entry.found is None:
         return False
     return entry.shown("", problems)
@@ -70,9 +68,8 @@ def evidence_shown(entry: Known | None, problems: list[str]) -> bool:
 def judge_confirmed_elsewhere(
     entries: tuple[Known, ...], verdicts: Mapping[str, str]
 ) -> None:
-    """A shared failure is confirmed once (Known.confirmed_by): the others take
-    its outcome in this session (``verdicts``, by case id) without running; where
-    it did not run, or passed (its entry needs another geometry), each runs."""
+    """A shared failure is confirmed once (Known.confirmed_by): the others take its
+    outcome (``verdicts``, by case id) unrun; where it did not run or passed, all do."""
     for entry in entries:
         confirmer, verdict = entry.confirmed_by, KNOWN_VERDICTS[entry.kind]
         if confirmer is not None and verdicts.get(confirmer) == verdict:

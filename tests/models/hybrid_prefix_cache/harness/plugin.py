@@ -30,8 +30,7 @@ def pytest_configure(config) -> None:
 
 
 class SuitePlugin:
-    """The fixture, collection order, summary and timer of one session; the
-    times (<report folder>/session.json) are for dev/benchmark_cpu_tier.py."""
+    """One session's fixture, collection order, summary and timer (session.json)."""
 
     NAME = "hybrid-prefix-cache"
 
@@ -125,7 +124,6 @@ class SuitePlugin:
                 f"{failed:>6} {notices:>7} {start:>8} {r.seconds:>7.1f}"
             )
         write(
-            f"servers started: {suite.pool.starts}, "
-            f"deployments reused: {suite.pool.reuses}, "
-            f"records in {servers.report_folder().resolve()}"
+            f"servers started: {suite.pool.starts}, deployments reused: "
+            f"{suite.pool.reuses}, records in {servers.report_folder().resolve()}"
         )

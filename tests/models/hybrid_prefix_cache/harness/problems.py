@@ -1,8 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""What a check found, as a value: a :class:`Problem` is the sentence people read,
-and carries its kind, turn and numbers, which a known failure's :class:`Finding`
-matches; rewording the sentence changes no verdict."""
+"""What a check found: a :class:`Problem` is the sentence people read, with the kind,
+turn and numbers a known failure's :class:`Finding` matches (not its wording)."""
 
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,8 +20,7 @@ KINDS = {
 
 
 class Problem(str):
-    """A str, so a problem reads, joins and is written as its sentence; a problem
-    of no kind is matched by no :class:`Finding`."""
+    """A str: read, joined and written as its sentence; kindless ones match none."""
 
     kind: str
     where: str
@@ -56,11 +54,10 @@ class Finding:
             raise ValueError(f"no check finds {self.kind} with {sorted(unknown)}")
 
     def shown_by(self, problem: str) -> bool:
-        if not isinstance(problem, Problem) or problem.kind != self.kind:
+        if not isinstance(problem, Problem):
             return False
-        if problem.where != self.where:
-            return False
-        return all(problem.numbers.get(k) == v for k, v in self.numbers)
+        same = (problem.kind, problem.where) == (self.kind, self.where)
+        return same and all(problem.numbers.get(k) == v for k, v in self.numbers)
 
     def __str__(self) -> str:
         numbers = ", ".join(f"{name} {value}" for name, value in self.numbers)

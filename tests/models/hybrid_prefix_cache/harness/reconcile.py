@@ -81,11 +81,10 @@ def decoder_pulls(prompt_len: int, local_hit: float) -> float:
 def decoder_resend_hit(
     prompt_len: int, units: Units, mode: Mode, deployment: Deployment
 ) -> int:
-    """A P/D resend's decoder hit: the last block end within the loaded KV
-    and the resend's checkpoint. Loaded KV is cached in full blocks only
-    (v1/core/sched/scheduler.py _update_waiting_for_remote_kv,
-    single_type_kv_cache_manager.py cache_blocks); none without a prefix cache
-    or with offload (vLLM #42547 is a decoder that hashed nothing)."""
+    """A P/D resend's decoder hit: the last block end within the loaded KV and its
+    checkpoint. Loaded KV is cached in full blocks (v1/core/sched/scheduler.py
+    _update_waiting_for_remote_kv, single_type_kv_cache_manager.py cache_blocks); none
+    without a prefix cache or with offload (vLLM #42547: hashed nothing)."""
     if not deployment.decode.prefix_caching or deployment.offload:
         return 0
     rule = mode.drafting(deployment.decode)
@@ -96,8 +95,7 @@ def decoder_resend_hit(
 def decoder_problems(
     prompt_len: int, local_hit: float, transfers: float, prefiller_hit: int
 ) -> list[str]:
-    """How a decode leg breaks its role: one NIXL transfer iff it pulls
-    anything (:func:`decoder_pulls`), and its own hit within what it loads."""
+    """A decode leg's faults: one NIXL transfer iff it pulls, a hit within its load."""
     pulled = prompt_len - rules.PD_PREFILL_BACKOFF
     problems = []
     if local_hit > pulled:
@@ -153,8 +151,7 @@ def counter_problems(
 
 
 def expected_requests(num_servers: int, turns: Sequence[compare.Turn]) -> list[int]:
-    """Completions each server must finish: turns, twins, relays and alone counterparts
-    through the deployment; recomputes and controls on the decoder alone."""
+    """Completions per server: turns via the deployment, recomputes on the decoder."""
     through = alone = prefiller = 0
     for turn in turns:
         through += 1 + sum(s is not None for s in (turn.twin, turn.relay, turn.alone))

@@ -25,8 +25,7 @@ def _gap(comparison: compare.Comparison | None) -> str:
 
 
 class CaseProblems:
-    """What a case in progress and its record both say of its problems: the
-    problems of its turns and its own, and its turn table."""
+    """What a case in progress and its record both say of its problems."""
 
     case_id: str
     units: deployment.Units | None
@@ -42,7 +41,6 @@ class CaseProblems:
         return not self.failures()
 
     def explain(self) -> str:
-        """The message of a test's ``assert record.ok, record.explain()``."""
         failures = self.failures()
         head = f"{self.case_id}: {len(failures)} problem(s)"
         return "\n".join([head, *failures, "", format_table(self)])
@@ -134,8 +132,7 @@ def _turn_json(t: compare.Turn) -> dict:
 
 @dataclass(frozen=True, repr=False)
 class CaseRecord(CaseProblems):
-    """Frozen when the case ends (harness/session.py). Its repr is one line: pytest
-    prints it under a failed ``assert record.ok``, where ``explain()`` said it all."""
+    """Frozen when the case ends; one-line repr: pytest prints it after explain()."""
 
     case_id: str
     test: str = ""  # the pytest node that ran it, if any (dev/benchmark_cpu_tier.py)
@@ -214,8 +211,7 @@ def serve_info(play) -> dict | None:
 
 
 def report(record: CaseRecord, summary: list[CaseRecord] | None = None) -> None:
-    """Print the record's turn table, notices and problems, append it to ``summary``,
-    and write its JSON record (on a failure, with how to make a reproducer)."""
+    """Print its table, notices and problems, add it to ``summary``, save its JSON."""
     print("\n" + format_table(record))
     for notice in [n for t in record.turns for n in t.notices] + [*record.notices]:
         print(f"notice: {notice}")

@@ -77,8 +77,7 @@ class ServerSpec:
 
 
 def internal_port_base() -> int:
-    """A free VLLM_PORT below the ephemeral range: one drawn from it could be
-    taken before vLLM binds it (EADDRINUSE with servers side by side)."""
+    """A free VLLM_PORT below the ephemeral range: ports from it get taken first."""
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
@@ -126,8 +125,7 @@ def layered_env(inherited: Mapping[str, str], own: Mapping[str, str]) -> dict[st
 
 
 class Server(RemoteOpenAIServer):
-    """``vllm serve`` logged to a file, health-waited by the caller (so several
-    start at once), appended to ``launched`` for leak checks."""
+    """``vllm serve`` logged to a file, health-waited by its caller, in ``launched``."""
 
     def __init__(
         self,
@@ -150,9 +148,8 @@ class Server(RemoteOpenAIServer):
         self._launched = launched
         env = dict(spec.env)
         if spec.side_channel_port:
-            # Below the ephemeral range too: with 14 servers starting, one drawn from
-            # it was taken before NIXL bound it, and 0.34.0's engine then waits for
-            # its dead listener for ever (nixl/base_scheduler.py ready_event.wait()).
+            # Below the ephemeral range too: one from it was taken before NIXL bound it,
+            # and 0.34.0 waited for ever (nixl/base_scheduler.py ready_event.wait()).
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(internal_port_base())
         env.setdefault("VLLM_PORT", str(internal_port_base()))
         args = list(spec.args) + ([] if port is None else ["--port", str(port)])
@@ -253,7 +250,6 @@ class Server(RemoteOpenAIServer):
         return pids
 
     def error(self, what: str) -> ServerError:
-        """A :class:`ServerError` about this server, its log's tail quoted."""
         try:
             log = self.log_path.read_text(errors="replace")
             tail = "\n".join(log.splitlines()[-LOG_TAIL_LINES:])
@@ -326,8 +322,7 @@ def serve(
 
 
 class ServerPool:
-    """Keeps the last deployment's servers for a next case needing the same;
-    one deployment at a time. ``launched``: every server it started."""
+    """Reuses the last deployment's servers; ``launched``: every server it started."""
 
     def __init__(self) -> None:
         self._specs: tuple[ServerSpec, ...] | None = None

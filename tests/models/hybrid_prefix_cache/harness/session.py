@@ -32,8 +32,7 @@ if TYPE_CHECKING:  # a later module, which runs its cases in sessions
 
 @dataclass(repr=False)
 class CaseSession(records.CaseProblems):
-    """A case while it runs, the only writer of its state (:meth:`serve`, :meth:`add`)
-    until :func:`case_session` ends it and sets ``record``."""
+    """A running case, sole writer of its state until :func:`case_session` ends it."""
 
     case_id: str
     test: str = ""
@@ -56,8 +55,7 @@ class CaseSession(records.CaseProblems):
     def add(
         self, turn: Turn | None = None, problem: str = "", notice: str = ""
     ) -> None:
-        """A turn as it starts (so a crash leaves it in the record), a problem
-        of the whole case, or a notice."""
+        """A turn as it starts (a crash leaves it recorded), a problem, a notice."""
         assert self.record is None, f"{self.case_id} has ended"
         if turn is not None:
             self.turns.append(turn)
@@ -70,8 +68,7 @@ class CaseSession(records.CaseProblems):
     def serve(
         self, run: "WorkloadRun", batched: bool = False, prefill_step: bool = False
     ) -> Iterator[Play]:
-        """Open the case's counter window on its servers and reconcile it at the end.
-        A case that ends in an exception stops its servers: they may be what broke."""
+        """Open a counter window; an exception stops the servers (maybe what broke)."""
         __tracebackhide__ = True
         pool, binding, mode = run.suite.pool, run.binding, run.mode
         starts = pool.starts
@@ -102,30 +99,10 @@ class CaseSession(records.CaseProblems):
         """The known failure that applies where its servers resolved."""
         return select_known(self.known, self.units)
 
-    def freeze(self, outcome: str, verdict: str, seconds: float) -> CaseRecord:
-        return CaseRecord(
-            self.case_id,
-            test=self.test,
-            units=self.units,
-            turns=tuple(turn.played() for turn in self.turns),
-            metrics=dict(self.metrics),
-            problems=tuple(self.problems),
-            notices=tuple(self.notices),
-            startup_seconds=tuple(self.startup_seconds),
-            reused=self.reused,
-            seconds=seconds,
-            phase_seconds=dict(self.phases.seconds),
-            outcome=outcome,
-            verdict=verdict,
-            noise=self.noise,
-            serve=records.serve_info(self.play),
-        )
-
 
 def failure_text(case: CaseSession, error: BaseException | None) -> str:
-    """Everything a case's failure says, searched for a known entry's evidence:
-    the exception (with ServerError.log) or the case's problems, and every
-    server's log, where a crash that surfaced elsewhere left its cause."""
+    """What a case's failure says, searched for a known entry's evidence: the exception
+    (with ServerError.log) or the problems, and every server's log (a crash's cause)."""
     if error is None:
         parts = [case.explain()]
     else:
@@ -140,8 +117,7 @@ def failure_text(case: CaseSession, error: BaseException | None) -> str:
 
 
 def failure_summary(case: CaseSession, error: BaseException | None) -> str:
-    """What a stale table's message shows of a failure, in one screen: the problems
-    and turn table, or the exception, then the server logs and record by path."""
+    """A stale table's message: problems or error, then logs and record by path."""
     parts = [case.explain() if error is None else f"{type(error).__name__}: {error}"]
     holders = case.play.servers if case.play is not None else [error]
     logs = [str(p) for h in holders if (p := getattr(h, "log_path", None)) is not None]
@@ -155,10 +131,9 @@ def failure_summary(case: CaseSession, error: BaseException | None) -> str:
 def case_session(
     case_id: str, summary: list[CaseRecord] | None = None, known: Sequence[Known] = ()
 ) -> Iterator[CaseSession]:
-    """Run a case, then freeze its record (``case.record``) with the verdict of
-    the known failure that applies and write it, however the case ended. Then a
-    listed case xfails, skips or fails (``harness.known``); an unlisted one raises
-    what it raised, and its problems are the caller's to assert on."""
+    """Run a case, then freeze its record (``case.record``) with the verdict of the
+    known failure that applies and write it. Then a listed case xfails, skips or fails
+    (``harness.known``); an unlisted one raises, or its problems are the caller's."""
     __tracebackhide__ = True
     # pytest names the running test as "<node id> (<phase>)".
     test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
@@ -189,8 +164,23 @@ def case_session(
         outcome = f"error: {type(error).__name__}"
     else:
         outcome = "pass" if case.ok else "FAIL"
-    verdict = "" if judgment is None else judgment.verdict
-    case.record = case.freeze(outcome, verdict, time.monotonic() - start)
+    case.record = CaseRecord(
+        case.case_id,
+        test=case.test,
+        units=case.units,
+        turns=tuple(turn.played() for turn in case.turns),
+        metrics=dict(case.metrics),
+        problems=tuple(case.problems),
+        notices=tuple(case.notices),
+        startup_seconds=tuple(case.startup_seconds),
+        reused=case.reused,
+        seconds=time.monotonic() - start,
+        phase_seconds=dict(case.phases.seconds),
+        outcome=outcome,
+        verdict="" if judgment is None else judgment.verdict,
+        noise=case.noise,
+        serve=records.serve_info(case.play),
+    )
     records.report(case.record, summary)
     if judgment is not None:
         judgment.enact(error)

@@ -16,8 +16,7 @@ from tests.models.hybrid_prefix_cache.harness.servers import Server, ServerSpec
 
 @dataclass
 class Window:
-    """Per server: ``marks``, its Server.answers at the start; ``unanswered``, the
-    requests its engine saw that no completion answered (an abort)."""
+    """Per server: ``marks``, Server.answers at the start; ``unanswered``, aborts."""
 
     servers: Sequence[Server]
     counters: list[dict[str, float | None]]
@@ -40,8 +39,7 @@ def open_window(servers: Sequence[Server]) -> Window:
 def server_problems(
     spec: ServerSpec, moved: dict[str, float | None], ledger: Ledger, route: int | None
 ) -> list[str]:
-    """:func:`reconcile.counter_problems` plus the completions count against ``route``
-    (None: a server not started here, held to request_success instead)."""
+    """:func:`reconcile.counter_problems`; completions vs ``route`` (None: success)."""
     name, done = spec.name, moved[reconcile.REQUESTS_DONE] or 0.0
     found = reconcile.counter_problems(
         name, moved, ledger, spec.prefix_caching, spec.connector
@@ -62,9 +60,8 @@ def server_problems(
 def close_window(
     window: Window, mode: Mode, turns: Sequence[compare.Turn]
 ) -> tuple[dict, list[str]]:
-    """Each server's counter deltas since :func:`open_window`, and every way they
-    disagree with its completions' usage or the route each request must take
-    (:func:`server_problems`, :func:`reconcile.expected_requests`)."""
+    """Each server's counter deltas since :func:`open_window`, how they disagree with
+    its usage or route (:func:`server_problems`, ``reconcile.expected_requests``)."""
     deltas, problems, drafts = {}, [], 0.0
     routes = reconcile.expected_requests(len(window.servers), turns)
     opened = zip(window.servers, window.counters, window.marks, window.unanswered)
