@@ -22,8 +22,8 @@ DRAFT = os.environ.get(
 
 GiB = 1 << 30
 
-# Seeded weights, under which a wrong restored state shows (not under vLLM's dummy
-# ones: test_sensitivity.py); KIMI_K3_PREFIX_CACHE_LOAD_FORMAT=dummy serves those.
+# Seeded weights: a wrong restored state shows, where vLLM's dummy ones hide it
+# (dev/diagnose/test_sensitivity.py). KIMI_K3_PREFIX_CACHE_LOAD_FORMAT=dummy for those.
 LOAD_FORMAT = os.environ.get(
     "KIMI_K3_PREFIX_CACHE_LOAD_FORMAT", seeded_load.LOAD_FORMAT
 )

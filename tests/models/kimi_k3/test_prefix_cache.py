@@ -37,8 +37,7 @@ def test_prefix_cache(hybrid_suite: Suite, case_id: str) -> None:
 
 
 def check_stated_block(record: CaseRecord, run: WorkloadRun):
-    """The block a cell's servers report must be the one KIMI_BLOCKS states
-    for them, which its budget and the scheduler tier's replay take."""
+    """Servers must report the block KIMI_BLOCKS states (budget and replay take it)."""
     stated = kimi.stated_block(run.deployment.instances[0], run.mode)
     if record.units is not None and not isinstance(stated, str):
         assert record.units.block == stated, (

@@ -30,8 +30,7 @@ from tests.models.hybrid_prefix_cache.harness.session import CaseSession, case_s
 
 @dataclass
 class Suite:
-    """What a session's cases share (owned by the ``hybrid_suite`` fixture or a
-    benchmark): the pool of reused servers and every case's record."""
+    """What a session's cases share: the pool of reused servers, every case's record."""
 
     pool: ServerPool = field(default_factory=ServerPool)
     records: list[CaseRecord] = field(default_factory=list)

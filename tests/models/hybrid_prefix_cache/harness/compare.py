@@ -92,13 +92,13 @@ class Turn:
     # controls: its first i + 2): the decode-against-prefill noise
     control: Sample | None = None
     more_controls: list[Sample] = field(default_factory=list)
-    # the transfer's exact counterparts (harness.transfer)
+    # the transfer's exact counterparts (paths.check_transfer)
     relay: Sample | None = None
     prefiller_alone: Sample | None = None
     batched: bool = False
     invariant: bool = False  # batched, batch-invariant server: on its recompute's path
     # batched at the servers' own threads: its prefill step is held to the
-    # same prompt's alone, under a salt played alone (harness/restores.py)
+    # same prompt's alone, under a salt played alone (paths.check_prefill_steps)
     prefill_step: bool = False
     alone: Sample | None = None
     # resumed (or its salt did) mid-block, not exact there (Binding.exact_on_blocks)

@@ -152,9 +152,8 @@ def send_turn(play: Play, turn: Turn, prompt: Sequence[int], salt: str) -> None:
 
 
 def recompute_turn(play: Play, turn: Turn) -> None:
-    """Recompute on the decoder alone (a bad transfer cannot corrupt both
-    sides), send the transfer's exact counterparts or the decode-against-prefill
-    control, then check the turn."""
+    """Recompute on the decoder alone (a bad transfer cannot corrupt both sides), send
+    the transfer's exact counterparts or the decode-against-prefill control; check."""
     start = time.monotonic()
     servers, model, prompt = play.servers, play.binding.model, turn.prompt
     decoder, compares = servers[-1], play.deployment.compares_logprobs

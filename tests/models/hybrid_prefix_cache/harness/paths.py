@@ -150,9 +150,8 @@ def relay_prompt(turn: Turn) -> list[int]:
 
 
 def check_transfer(turn: Turn, logprob_atol: float | None) -> Found:
-    """The P/D transfer, exact where both instances are one configuration: the relay
-    held to the recompute one token on (only where its state came from differs), and
-    the recompute to the prefiller alone (which runs no decoder code)."""
+    """The P/D transfer, exact where both instances are one config: the relay held to
+    the recompute a token on, the recompute to the prefiller alone (no decoder code)."""
     rec, name, found = turn.recompute, turn.name, Found()
     problems: list[str] = []
     assert rec is not None
@@ -198,8 +197,7 @@ ALONE = "same prompt alone (prefill step)"
 def check_prefill_steps(
     turns: Sequence[Turn], compare_logprobs: bool = True
 ) -> list[Found]:
-    """Each batched hit's prefill step held exactly to its alone counterpart's
-    (``Turn.alone``); a case where no hit could be judged so fails."""
+    """Batched hits' prefill steps, exact to ``Turn.alone``'s; judging none fails."""
     found = [Found() for _ in turns]
     batched = [
         i for i, t in enumerate(turns) if t.prefill_step and t.batched and t.restored

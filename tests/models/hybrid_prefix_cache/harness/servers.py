@@ -115,8 +115,7 @@ def server_specs(
 
 
 def layered_env(inherited: Mapping[str, str], own: Mapping[str, str]) -> dict[str, str]:
-    """``own`` over ``inherited``; PYTHONPATH is prepended, not replaced (the
-    inherited one may hold the vLLM under test)."""
+    """``own`` over ``inherited``; PYTHONPATH prepended (may hold the vLLM tested)."""
     env = {**inherited, **own}
     paths = [own.get("PYTHONPATH"), inherited.get("PYTHONPATH")]
     if own.get("PYTHONPATH"):
@@ -292,8 +291,7 @@ def wait_healthy(servers: Sequence[Server]) -> None:
 def start_servers(
     specs: Sequence[ServerSpec], binding: Binding, launched: list[Server] | None = None
 ) -> list[Server]:
-    """Start ``specs`` (at once where ``binding.concurrent_start``) and wait until
-    healthy; on failure stop all started."""
+    """Start ``specs`` and wait until healthy; on failure stop all started."""
     servers: list[Server] = []
     try:
         for spec in specs:
