@@ -209,8 +209,17 @@ def play_eviction(
     assert recompute is not None
     for server in servers:
         server.drain()
-    found = (held_before, held, hit, local_hit, recompute, pressure, decoder_hit)
-    return Eviction(len(grown), first_len, *found)
+    return Eviction(
+        len(grown),
+        first_len,
+        held_before,
+        held,
+        hit,
+        local_hit,
+        recompute_hit=recompute,
+        pressure=pressure,
+        decoder_hit=decoder_hit,
+    )
 
 
 def sized_eviction(

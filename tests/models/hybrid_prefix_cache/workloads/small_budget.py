@@ -130,8 +130,9 @@ def play(run: harness.WorkloadRun) -> harness.CaseRecord:
     if played:
         default = played[-1]
     else:
-        cell = (run.suite, default_id, binding, run.deployment, mode)
-        default = harness.run_case(harness.WorkloadRun(*cell))
+        default = harness.run_case(
+            harness.WorkloadRun(run.suite, default_id, binding, run.deployment, mode)
+        )
     assert default.units is not None
     budget = served_budget(default.units)
     served = harness.with_serve_args(run.deployment, small_budget_args(default.units))
